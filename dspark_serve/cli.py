@@ -1,0 +1,37 @@
+"""``dspark-serve`` command line: one subcommand per job.
+
+Each subcommand lives in its own module, which exposes ``add_parser(subparsers)`` that
+registers the subcommand and sets ``func`` (called with the parsed namespace, returns an exit
+code). Modules are imported lazily so ``dspark-serve bench`` does not import the server.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module providing add_parser()
+SUBCOMMANDS = {
+    "bench": "dspark_serve.bench.cli",
+    "serve": "dspark_serve.server.cli",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="dspark-serve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    # Only import the module of the requested subcommand (help lists all names).
+    wanted = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    for name, module in SUBCOMMANDS.items():
+        if wanted is None or name == wanted:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=f"see dspark-serve {name} --help")
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
