@@ -1,0 +1,66 @@
+"""Configuration of the embedded engine (``dspark-serve serve`` flags map onto it one to one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATIVE_MODES = ("none", "dflash", "dspark")
+SCHEDULERS = ("algorithm1", "async", "static", "threshold")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Everything ``LLMEngine`` needs to start.
+
+    model: HF folder of the target (Llama / Qwen2 / Qwen3 family); None = the default
+        SmolLM2-135M-Instruct, converted once from its GGUF file and cached.
+    draft: DeepSpec or DFlash drafter checkpoint folder; None = the default drafter.
+    speculative: "none" (plain decoding), "dflash" (parallel backbone only, fixed gamma) or
+        "dspark" (backbone + sequential head + confidence head + scheduler).
+    scheduler: verify-length scheduler, "algorithm1" (paper Algorithm 1), "async" (Section 5.2),
+        "static" (verify the whole block) or "threshold" (static confidence threshold).
+    gamma: block size (draft tokens per round); None = the drafter's trained block size.
+    cost_table: SPS cost table JSON (SGLang format); None = profile this machine at startup.
+    calibration: STS calibration JSON; None = the calibration shipped with the drafter.
+    max_model_len: context limit in tokens (prompt + completion) per request.
+    max_num_seqs: most requests running in one step; more wait in the queue.
+    seed: seed of the engine's global RNG (requests without their own seed draw from it).
+    dtype: weight and activation dtype of the target and drafter ("bfloat16" roughly triples
+        CPU matmul throughput on AVX512-BF16 machines; "float32" is the exactness reference).
+    threshold: survival-probability cut-off of the "threshold" scheduler, in [0, 1].
+    max_batch_tokens: most target tokens per step (prefill chunks + verify budget B);
+        None = the cost table's ``max_batch_tokens``.
+    prefill_chunk: most prompt tokens of one request prefilled in one step.
+
+    Raises:
+        ValueError: a field is out of range or names an unknown mode.
+    """
+
+    model: str | None = None
+    draft: str | None = None
+    speculative: str = "dspark"
+    scheduler: str = "async"
+    gamma: int | None = None
+    cost_table: str | None = None
+    calibration: str | None = None
+    max_model_len: int = 2048
+    max_num_seqs: int = 16
+    seed: int = 0
+    dtype: str = "float32"
+    threshold: float = 0.5
+    max_batch_tokens: int | None = None
+    prefill_chunk: int = 256
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("speculative", self.speculative, SPECULATIVE_MODES),
+                                     ("scheduler", self.scheduler, SCHEDULERS),
+                                     ("dtype", self.dtype, DTYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "gamma", "max_batch_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be in [0, 1]; got {self.threshold!r}")

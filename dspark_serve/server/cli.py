@@ -1,0 +1,75 @@
+"""``dspark-serve serve``: load the engine and serve it over HTTP (OpenAI API)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from dspark_serve.engine.config import DTYPES, SCHEDULERS, SPECULATIVE_MODES, EngineConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the ``serve`` subcommand (its ``func`` runs the server)."""
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible server with DSpark speculative decoding",
+        description="Serve a target model with speculative decoding behind an OpenAI-compatible "
+                    "API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
+    p.add_argument("--model", help="target HF folder (Llama/Qwen2/Qwen3); default: "
+                                   "SmolLM2-135M-Instruct, converted once and cached")
+    p.add_argument("--draft", help="DeepSpec or DFlash drafter folder; default: the default drafter")
+    p.add_argument("--speculative", choices=SPECULATIVE_MODES, default=_DEFAULTS["speculative"],
+                   help="none: plain decoding; dflash: parallel backbone, fixed gamma; "
+                        "dspark: full DSpark (default)")
+    p.add_argument("--scheduler", choices=SCHEDULERS, default=_DEFAULTS["scheduler"],
+                   help="verify-length scheduler (default: %(default)s)")
+    p.add_argument("--gamma", type=int, help="block size; default: the drafter's")
+    p.add_argument("--threshold", type=float, default=_DEFAULTS["threshold"],
+                   help="survival cut-off of the threshold scheduler (default: %(default)s)")
+    p.add_argument("--cost-table", help="SPS cost table JSON; default: profile at startup")
+    p.add_argument("--calibration", help="STS calibration JSON; default: the drafter's")
+    p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
+                   help="context limit per request in tokens (default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
+                   help="most requests per step (default: %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
+                   help="weight dtype (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
+                   help="engine RNG seed (default: %(default)s)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                   help="log level (default: %(default)s)")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The ``EngineConfig`` of parsed ``serve`` flags; raises ValueError on invalid values."""
+    return EngineConfig(
+        model=args.model, draft=args.draft, speculative=args.speculative,
+        scheduler=args.scheduler, gamma=args.gamma, cost_table=args.cost_table,
+        calibration=args.calibration, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
+        threshold=args.threshold)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the engine, then serve until interrupted; returns the exit code."""
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        logging.getLogger(__name__).error("invalid configuration: %s", exc)
+        return 2
+    import uvicorn
+
+    from dspark_serve.engine.llm_engine import LLMEngine
+    from dspark_serve.server.app import create_app
+
+    engine = LLMEngine(config)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
