@@ -214,7 +214,7 @@ def reliability_diagram(path: str | Path, survival_before: torch.Tensor, survive
                     color=color, label=f"{label} (ECE {100 * ece(p, labels, num_bins=num_bins):.1f}%)")
             hist.bar(edges[:-1], (count / count.sum()).tolist(), width=width, align="edge",
                      color=color, alpha=0.15)
-        ax.set(xlim=(0, 1), ylim=(0, 1), title=f"{name} (n={labels.numel()})",
+        ax.set(xlim=(0, 1), ylim=(0, 1.02), title=f"{name} (n={labels.numel()})",
                xlabel="predicted survival", ylabel="empirical survival")
         hist.set_ylabel("fraction of samples")
         if labels.numel():
