@@ -13,6 +13,9 @@ from dspark_serve.types import SamplingTensors
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 GREEDY_TEMPERATURE = 1e-5
+# Partial top-m sizes tried when locating the top-p cutoff (grown geometrically).
+_FIRST_CANDIDATES = 64
+_CANDIDATE_GROWTH = 8
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -24,9 +27,10 @@ def warp_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     each judged on the post-temperature probabilities, and renormalise. Because every
     filter reads the same post-temperature vector the result does not depend on their
     order; this is SGLang's convention (vLLM instead renormalises after top-k before
-    applying top-p). The most likely token always survives. Ties at a top-k/top-p boundary
-    go to the lower token id. Rows with temperature < ``GREEDY_TEMPERATURE`` become a
-    one-hot vector at the argmax of the logits (greedy decoding is this special case).
+    applying top-p). Each filter is a probability cutoff, so tokens tied with the last kept
+    one are kept too, and the most likely token always survives. Rows with temperature
+    < ``GREEDY_TEMPERATURE`` become a one-hot vector at the argmax of the logits (the first
+    maximum on ties); greedy decoding is this special case.
 
     Args:
         logits: [N, V] floating point.
@@ -41,42 +45,53 @@ def warp_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
             top_p outside (0, 1], or min_p outside [0, 1].
     """
     _check(logits, params)
-    n, vocab = logits.shape
     greedy = params.temperature < GREEDY_TEMPERATURE
+    one_hot = None
+    if bool(greedy.any()):
+        one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        if bool(greedy.all()):
+            return one_hot
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)
     probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
 
-    keep = _top_k_top_p_mask(probs, params.top_k, params.top_p)
+    cutoff = _top_k_top_p_cutoff(probs, params.top_k, params.top_p)
     if bool((params.min_p > 0).any()):
-        min_keep = probs >= params.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        keep = min_keep if keep is None else keep & min_keep
-    if keep is not None:
-        probs = probs * keep
+        min_p_cutoff = params.min_p * probs.amax(dim=-1)
+        cutoff = min_p_cutoff if cutoff is None else torch.maximum(cutoff, min_p_cutoff)
+    if cutoff is not None:
+        probs = torch.where(probs >= cutoff[:, None], probs, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-
-    if bool(greedy.any()):
-        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if one_hot is not None:
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 
 
-def _top_k_top_p_mask(probs: torch.Tensor, top_k: torch.Tensor,
-                      top_p: torch.Tensor) -> torch.Tensor | None:
-    """Bool [N, V] of tokens kept by top-k and top-p, or None when no row uses either."""
-    n, vocab = probs.shape
-    k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
+def _top_k_top_p_cutoff(probs: torch.Tensor, top_k: torch.Tensor,
+                        top_p: torch.Tensor) -> torch.Tensor | None:
+    """[N] smallest probability kept by top-k and top-p (0 where both are off), or None
+    when no row uses either."""
+    vocab = probs.shape[1]
+    top_k_on = (top_k > 0) & (top_k < vocab)
     top_p_on = top_p < 1.0
-    if not bool(top_p_on.any() | (k < vocab).any()):
+    if not bool(top_k_on.any() | top_p_on.any()):
         return None
-    # A full sort even for top-k only: ties then resolve the same way on every path.
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=probs.device)
-    keep_sorted = rank[None, :] < k[:, None]
-    # Mass strictly before a token; it is kept while that mass is still below p, which
-    # selects the smallest prefix reaching p (rank 0 has zero mass before it).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    keep_sorted &= (mass_before < top_p[:, None]) | ~top_p_on[:, None] | (rank[None, :] == 0)
-    return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    # A full sort of a large vocabulary costs far more than the forward pass on a CPU; the
+    # nucleus is usually small, so grow a partial top-m until it holds mass p in every row.
+    m = max(int(top_k[top_k_on].max()) if bool(top_k_on.any()) else 1, _FIRST_CANDIDATES)
+    while True:
+        m = min(m, vocab)
+        values = probs.topk(m, dim=-1, sorted=True).values                 # [N, m]
+        mass = values.cumsum(dim=-1)
+        if m == vocab or bool((~top_p_on | (mass[:, -1] >= top_p)).all()):
+            break
+        m *= _CANDIDATE_GROWTH
+    k_index = torch.where(top_k_on, top_k, 1) - 1
+    k_cutoff = torch.where(top_k_on, values.gather(1, k_index[:, None]).squeeze(1), 0.0)
+    # Tokens whose preceding mass is still below p form the smallest prefix reaching p.
+    in_nucleus = ((mass - values) < top_p[:, None]).sum(dim=-1).clamp(min=1)
+    p_cutoff = torch.where(top_p_on, values.gather(1, (in_nucleus - 1)[:, None]).squeeze(1), 0.0)
+    return torch.maximum(k_cutoff, p_cutoff)
 
 
 def _check(logits: torch.Tensor, params: SamplingTensors) -> None:

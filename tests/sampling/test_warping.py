@@ -18,14 +18,14 @@ def reference_warp(logits: list[float], temperature: float, top_k: int, top_p: f
     peak = max(logits)
     weights = [math.exp((x - peak) / temperature) for x in logits]
     probs = [w / sum(weights) for w in weights]
-    order = sorted(range(vocab), key=lambda i: (-probs[i], i))
-    k = vocab if top_k == 0 or top_k >= vocab else top_k
-    kept, mass_before = set(), 0.0
-    for rank, i in enumerate(order):
-        in_top_p = top_p >= 1.0 or rank == 0 or mass_before < top_p
-        if rank < k and in_top_p and probs[i] >= min_p * probs[order[0]]:
-            kept.add(i)
-        mass_before += probs[i]
+    ranked = sorted(probs, reverse=True)
+    cutoffs = [min_p * ranked[0]]
+    if 0 < top_k < vocab:
+        cutoffs.append(ranked[top_k - 1])
+    if top_p < 1.0:
+        in_nucleus = sum(1 for r in range(vocab) if sum(ranked[:r]) < top_p)
+        cutoffs.append(ranked[max(in_nucleus, 1) - 1])
+    kept = {i for i in range(vocab) if probs[i] >= max(cutoffs)}
     total = sum(probs[i] for i in kept)
     return [probs[i] / total if i in kept else 0.0 for i in range(vocab)]
 
@@ -45,7 +45,7 @@ def _params(rows) -> SamplingTensors:
                            torch.tensor(p, dtype=torch.float32), torch.tensor(m, dtype=torch.float32))
 
 
-@pytest.mark.parametrize("vocab", [1, 2, 11, 64])
+@pytest.mark.parametrize("vocab", [1, 2, 11, 64, 700])
 def test_matches_reference_on_mixed_rows(vocab):
     gen = torch.Generator().manual_seed(vocab)
     rows = PARAM_ROWS * 4
@@ -77,8 +77,9 @@ def test_top_p_smallest_prefix(top_p, kept):
     assert got.sum().item() == pytest.approx(1.0, abs=1e-6)
 
 
-def test_top_k_ties_go_to_lower_id_and_large_k_disables():
-    assert (_warp_one([0.3, 0.3, 0.3, 0.1], top_k=2) > 0).tolist() == [True, True, False, False]
+def test_ties_at_the_cutoff_are_kept_and_large_k_disables():
+    assert (_warp_one([0.3, 0.3, 0.3, 0.1], top_k=2) > 0).tolist() == [True, True, True, False]
+    assert (_warp_one([0.4, 0.25, 0.25, 0.1], top_p=0.5) > 0).tolist() == [True, True, True, False]
     full = _warp_one([0.3, 0.3, 0.3, 0.1])
     torch.testing.assert_close(_warp_one([0.3, 0.3, 0.3, 0.1], top_k=4), full)
     torch.testing.assert_close(_warp_one([0.3, 0.3, 0.3, 0.1], top_k=10**6), full)
