@@ -19,7 +19,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
     p.add_argument("--model", help="target HF folder (Llama/Qwen2/Qwen3); default: "
                                    "SmolLM2-135M-Instruct, converted once and cached")
-    p.add_argument("--draft", help="DeepSpec or DFlash drafter folder; default: the default drafter")
+    p.add_argument("--draft", help="DeepSpec or DFlash drafter folder; default: the default "
+                                   "drafter")
     p.add_argument("--speculative", choices=SPECULATIVE_MODES, default=_DEFAULTS["speculative"],
                    help="none: plain decoding; dflash: parallel backbone, fixed gamma; "
                         "dspark: full DSpark (default)")

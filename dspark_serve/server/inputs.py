@@ -30,13 +30,18 @@ def parse_body(raw: bytes, model_cls: type[M]) -> M:
     try:
         return model_cls.model_validate(data)
     except ValidationError as exc:
-        raise _validation_error(exc.errors(include_url=False)[0]) from None
+        # of a union's alternatives, report the one that got furthest into the value
+        errors = [(_field_path(e["loc"]), e) for e in exc.errors(include_url=False)]
+        raise _validation_error(*max(errors, key=lambda le: len(le[0]))) from None
 
 
-def _validation_error(err: dict) -> APIError:
+def _field_path(loc: tuple) -> list:
     # union members appear in the location as type names ("str", "list[int]", "TextPart")
-    loc = [p for p in err["loc"] if not (isinstance(p, str) and (
+    return [p for p in loc if not (isinstance(p, str) and (
         p in _SCALARS or "[" in p or p[:1].isupper()))]
+
+
+def _validation_error(loc: list, err: dict) -> APIError:
     path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     param = str(loc[0]) if loc else None
     if err["type"] == "extra_forbidden" and len(loc) == 1:
@@ -95,23 +100,22 @@ def sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
     Raises APIError 400 (OpenAI wording, ``context_length_exceeded``) when the prompt plus the
     requested completion does not fit in ``max_model_len``.
     """
+    is_chat = isinstance(req, ChatCompletionRequest)
     room = max_model_len - prompt_len
     if room < 1:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
                             f"However, your prompt is {prompt_len} tokens long. Please reduce the "
-                            f"length of the prompt.", param="messages"
-                       if isinstance(req, ChatCompletionRequest) else "prompt",
+                            f"length of the prompt.", param="messages" if is_chat else "prompt",
                        code="context_length_exceeded")
-    is_chat = isinstance(req, ChatCompletionRequest)
     max_tokens = (req.max_completion_tokens if is_chat and req.max_completion_tokens is not None
                   else req.max_tokens)
     if max_tokens is None:  # OpenAI defaults: the rest of the context (chat), 16 (completions)
         max_tokens = room if is_chat else min(DEFAULT_COMPLETION_MAX_TOKENS, room)
     elif max_tokens > room:
         raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                            f"However, you requested {prompt_len + max_tokens} tokens ({prompt_len} "
-                            f"in the prompt, {max_tokens} in the completion). Please reduce the "
-                            f"length of the prompt or completion.", param="max_tokens",
+                            f"However, you requested {prompt_len + max_tokens} tokens "
+                            f"({prompt_len} in the prompt, {max_tokens} in the completion). Please "
+                            f"reduce the length of the prompt or completion.", param="max_tokens",
                        code="context_length_exceeded")
     if is_chat:
         logprobs, top_logprobs = bool(req.logprobs), req.top_logprobs or 0

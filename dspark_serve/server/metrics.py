@@ -23,7 +23,8 @@ class ServerMetrics:
         r = self.registry
         self.drafted = Counter("dspark_drafted_tokens", "Draft tokens proposed.", registry=r)
         self.accepted = Counter("dspark_accepted_tokens",
-                                "Draft tokens accepted by verification (bonus excluded).", registry=r)
+                                "Draft tokens accepted by verification (bonus excluded).",
+                                registry=r)
         self.rounds = Counter("dspark_verify_rounds", "Verify rounds (one per request per step).",
                               registry=r)
         self.generated = Counter("dspark_generated_tokens", "Tokens committed to outputs.",

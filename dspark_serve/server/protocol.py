@@ -208,4 +208,5 @@ class APIError(Exception):
                  param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status = status
-        self.body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+        self.body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param,
+                                                  code=code))

@@ -82,7 +82,8 @@ class ResponseBuilder:
         prompts = {}
         for c in self.choices.values():
             prompts[self.prompt_of_choice[c.index]] = c.prompt_tokens
-        prompt, completion = sum(prompts.values()), sum(c.completion_tokens for c in self.choices.values())
+        prompt = sum(prompts.values())
+        completion = sum(c.completion_tokens for c in self.choices.values())
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion,
                          total_tokens=prompt + completion)
 

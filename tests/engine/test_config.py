@@ -1,0 +1,23 @@
+"""EngineConfig rejects unknown modes and out-of-range sizes."""
+import pytest
+
+from dspark_serve.engine.config import EngineConfig
+
+
+def test_defaults():
+    c = EngineConfig()
+    assert (c.speculative, c.scheduler, c.gamma, c.model) == ("dspark", "async", None, None)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(speculative="eagle"), "speculative must be one of none, dflash, dspark"),
+    (dict(scheduler="greedy"), "scheduler must be one of"),
+    (dict(dtype="int8"), "dtype must be one of"),
+    (dict(gamma=0), "gamma must be a positive integer"),
+    (dict(max_model_len=-5), "max_model_len must be a positive integer"),
+    (dict(max_num_seqs=2.0), "max_num_seqs must be a positive integer"),
+    (dict(threshold=1.5), "threshold must be in [0, 1]"),
+])
+def test_invalid(kwargs, text):
+    with pytest.raises(ValueError, match=text.replace("[", r"\[").replace("]", r"\]")):
+        EngineConfig(**kwargs)

@@ -1,0 +1,55 @@
+"""``dspark-serve serve``: flags -> EngineConfig -> LLMEngine -> uvicorn, without a model."""
+import sys
+import types
+
+import pytest
+
+from dspark_serve import cli
+from dspark_serve.engine.config import EngineConfig
+
+
+@pytest.fixture
+def launched(monkeypatch, make_fake_engine):
+    """Replace LLMEngine (lazy import) and uvicorn.run; returns what they were called with."""
+    calls = {}
+
+    def fake_llm_engine(config):
+        calls["config"] = config
+        return make_fake_engine()
+
+    module = types.ModuleType("dspark_serve.engine.llm_engine")
+    module.LLMEngine = fake_llm_engine
+    monkeypatch.setitem(sys.modules, "dspark_serve.engine.llm_engine", module)
+    import uvicorn
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(app=app, **kw))
+    return calls
+
+
+def test_defaults(launched):
+    assert cli.main(["serve"]) == 0
+    assert launched["config"] == EngineConfig()
+    assert (launched["host"], launched["port"], launched["log_level"]) == ("127.0.0.1", 8000,
+                                                                           "info")
+    assert launched["app"].state.async_engine.engine.model_name == "fake-model"
+
+
+def test_all_flags(launched):
+    argv = ["serve", "--model", "/m", "--draft", "/d", "--speculative", "dflash", "--scheduler",
+            "threshold", "--gamma", "5", "--threshold", "0.7", "--cost-table", "c.json",
+            "--calibration", "s.json", "--max-model-len", "4096", "--max-num-seqs", "4",
+            "--dtype", "bfloat16", "--seed", "3", "--host", "0.0.0.0", "--port", "9001",
+            "--log-level", "debug"]
+    assert cli.main(argv) == 0
+    assert launched["config"] == EngineConfig(
+        model="/m", draft="/d", speculative="dflash", scheduler="threshold", gamma=5,
+        threshold=0.7, cost_table="c.json", calibration="s.json", max_model_len=4096,
+        max_num_seqs=4, dtype="bfloat16", seed=3)
+    assert (launched["host"], launched["port"], launched["log_level"]) == ("0.0.0.0", 9001, "debug")
+
+
+def test_invalid_values(launched, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--speculative", "eagle"])
+    assert "invalid choice: 'eagle'" in capsys.readouterr().err
+    assert cli.main(["serve", "--gamma", "0"]) == 2
+    assert "config" not in launched
