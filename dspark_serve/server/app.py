@@ -14,7 +14,6 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -32,15 +31,20 @@ MODEL_ALIAS = "default"  # accepted as the model name besides engine.model_name
 
 
 class EventStream(StreamingResponse):
-    """SSE response that always closes its generator, so the generator's cleanup (aborting the
-    engine requests) runs however the client went away."""
+    """SSE response that runs ``on_close`` however the stream ends: finished, client gone
+    mid-stream, or cancelled before the body generator even started."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
 
     async def stream_response(self, send) -> None:
         try:
             await super().stream_response(send)
         finally:
+            self.on_close()
             await self.body_iterator.aclose()
 
 
@@ -83,10 +87,6 @@ def create_app(engine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return _json(APIError(exc.status_code, str(exc.detail)).body, exc.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        return _json(APIError(400, str(exc.errors())).body, 400)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception) -> Response:
@@ -152,14 +152,16 @@ def create_app(engine) -> FastAPI:
                                   token_texts, requests[0][2].logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EventStream(stream(group, builder, include_usage),
+            return EventStream(stream(group, builder, include_usage), lambda: abort(group),
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await complete(request, group, builder)
 
     def abort(group: RequestGroup) -> None:
+        """Abort the group's unfinished requests (idempotent; the group is not read after)."""
         if group.unfinished:
             metrics.finished.labels(finish_reason="abort").inc(len(group.unfinished))
             async_engine.abort(group.unfinished)
+            group.unfinished.clear()
 
     async def stream(group: RequestGroup, builder: ResponseBuilder, include_usage: bool):
         try:

@@ -61,7 +61,10 @@ def chat_prompt(tokenizer, req: ChatCompletionRequest) -> list[int]:
     for m in req.messages:
         text = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
         # OpenAI's "developer" role is the system role of chat templates
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except (TemplateError, ValueError, TypeError, KeyError) as exc:

@@ -54,6 +54,8 @@ def test_50_aborted_streams_return_all_kv(server, wait_for):
     assert len(engine.aborted) == 50
     assert engine.kv_free_tokens() == initial == engine.KV_TOKENS
     assert async_engine.kv_free_tokens == initial
+    metrics = httpx.get(url + "/metrics").text
+    assert 'dspark_requests_finished_total{finish_reason="abort"} 50.0' in metrics
 
 
 def test_non_streaming_disconnect_aborts(server, wait_for):
