@@ -115,15 +115,23 @@ class AsyncEngine:
 
     # ---- engine thread ----
 
+    def _next_commands(self) -> list[tuple]:
+        """Commands queued so far; waits for one while the engine has nothing to do."""
+        try:
+            busy = self.engine.has_unfinished()
+        except Exception:
+            logger.exception("engine.has_unfinished failed")
+            busy = False
+        commands = [] if busy else [self._commands.get()]
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
     def _run(self) -> None:
         while True:
-            block = not self.engine.has_unfinished()
-            commands = [self._commands.get()] if block else []
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            commands = self._next_commands()
             if any(cmd[0] == "stop" for cmd in commands):
                 stopping = EngineError("server is shutting down")
                 self._post([(cmd[3], stopping) for cmd in commands if cmd[0] == "add"])
@@ -182,7 +190,10 @@ class AsyncEngine:
         self._post(batch)
         if self.on_step_stats is not None:
             pop = getattr(self.engine, "pop_step_stats", None)
-            self.on_step_stats(pop() if pop is not None else [], self.engine.kv_free_tokens())
+            try:
+                self.on_step_stats(pop() if pop is not None else [], self.engine.kv_free_tokens())
+            except Exception:  # losing metrics must not fail requests
+                logger.exception("step statistics callback failed")
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         """Drop requests from the engine and deliver ``error`` to their groups."""

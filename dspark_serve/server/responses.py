@@ -13,6 +13,13 @@ from dspark_serve.server.protocol import (ChatChoice, ChatChunkChoice, ChatCompl
                                           TopLogprob, UsageInfo)
 
 
+MIN_LOGPROB = -9999.0  # stands in for -inf (tokens the warping removed), which JSON cannot carry
+
+
+def _finite(lp: float) -> float:
+    return max(float(lp), MIN_LOGPROB)
+
+
 class TokenTexts:
     """Text of single tokens (the ``token`` strings of logprobs), decoded once and cached."""
 
@@ -97,11 +104,11 @@ class ResponseBuilder:
     def _chat_logprobs(self, ids, lps, tops) -> ChatLogprobs:
         def entry(t: int, lp: float) -> TopLogprob:
             s = self.token_texts(t)
-            return TopLogprob(token=s, logprob=lp, bytes=list(s.encode("utf-8")))
+            return TopLogprob(token=s, logprob=_finite(lp), bytes=list(s.encode("utf-8")))
         content = []
         for t, lp, top in zip(ids, lps, tops):
             e = entry(t, lp)
-            content.append(ChatTokenLogprob(token=e.token, logprob=lp, bytes=e.bytes,
+            content.append(ChatTokenLogprob(token=e.token, logprob=e.logprob, bytes=e.bytes,
                                             top_logprobs=[entry(k, v) for k, v in top.items()]))
         return ChatLogprobs(content=content)
 
@@ -112,8 +119,9 @@ class ResponseBuilder:
             offsets.append(c.text_len)
             c.text_len += len(tokens[-1])
         return CompletionLogprobs(
-            tokens=tokens, token_logprobs=list(lps), text_offset=offsets,
-            top_logprobs=[{self.token_texts(k): v for k, v in top.items()} for top in tops])
+            tokens=tokens, token_logprobs=[_finite(lp) for lp in lps], text_offset=offsets,
+            top_logprobs=[{self.token_texts(k): _finite(v) for k, v in top.items()}
+                          for top in tops])
 
     def _logprobs(self, c: _Choice, ids, lps, tops):
         if lps is None:

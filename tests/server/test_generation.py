@@ -5,6 +5,9 @@ import json
 import httpx
 import pytest
 
+from dspark_serve.engine.outputs import RequestOutput
+from dspark_serve.server.responses import ResponseBuilder, TokenTexts
+
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 
 
@@ -219,3 +222,19 @@ def test_models_and_health(client):
     body = chat(max_tokens=2)
     del body["model"]
     assert c.post(CHAT, json=body).status_code == 200
+
+
+def test_minus_infinity_logprobs_stay_json_numbers(make_fake_engine):
+    tok = make_fake_engine().tokenizer
+    for kind in ("chat", "completion"):
+        b = ResponseBuilder(kind, "x", ["r"], [0], "m", TokenTexts(tok), logprobs=True)
+        b.add(RequestOutput("r", [97], "a", new_logprobs=[float("-inf")],
+                            new_top_logprobs=[{98: float("-inf")}], finished=True,
+                            finish_reason="stop"))
+        body = json.loads(b.response().model_dump_json())
+        lp = body["choices"][0]["logprobs"]
+        if kind == "chat":
+            assert lp["content"][0]["logprob"] == -9999.0
+            assert lp["content"][0]["top_logprobs"][0]["logprob"] == -9999.0
+        else:
+            assert lp["token_logprobs"] == [-9999.0] and lp["top_logprobs"] == [{"b": -9999.0}]
