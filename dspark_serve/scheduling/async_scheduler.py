@@ -1,0 +1,121 @@
+"""Asynchronous hardware-aware prefix scheduler (paper Section 5.2).
+
+Two decisions per step t, taken from different information:
+
+- Capacity K (draft tokens to verify, B = R + K): from the survival probabilities of step t-2,
+  by an unconstrained global search, K = argmax_k Theta_k over every prefix count k of that
+  step's ranking (no early stop, so the search crosses SPS cliffs). With zero-overhead
+  scheduling the batch size of step t must be known while step t-1 still runs, so step t-2 is
+  the newest finished step; ``capacity(R)`` exposes K before step t's drafts exist.
+- Admission: step t's slots ranked by their own, up-to-date survival; the top K are verified
+  (dynamic top-K, prefix-respecting; zero-survival slots are never admitted).
+
+Lossless: K depends only on steps <= t-2 and on R (known before drafting), never on step t's
+tokens, and top-K admission is non-anticipating (``admission`` module). The retrospective
+search on the current step's own survival would not be (paper Appendix A).
+
+Choices the paper leaves open:
+- R changes between steps (requests join or leave): K is a count, and the old step only
+  contributes its ranked survival values, so we stretch that ranking to the current R, as if
+  each old request were repeated R/R' times: tau_k = R + (R/R') * S'(k R'/R), with S' the old
+  cumulative survival, linearly interpolated. For R = R' this is exactly the old search.
+  Request identity is not tracked (nor needed: only the sorted pool matters).
+- First two steps (no step t-2 yet): every slot is assumed to survive (a = 1), SGLang's
+  convention for requests without history, so K maximises raw token throughput
+  (R + k) * SPS(R + k) under the cost table.
+- A step with R = 0 returns no lengths and records no history.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from dspark_serve.scheduling import admission
+from dspark_serve.scheduling.cost_table import CostTable
+
+# Steps between the survival used for K and the step it schedules (zero-overhead scheduling).
+LAG_STEPS = 2
+
+
+class AsyncScheduler:
+    """Section 5.2 scheduler as a stateful callable ``confidence [R, gamma] -> lengths [R]``.
+
+    Args:
+        gamma: block size (draft tokens per request).
+        cost_table: profiled SPS(B).
+        max_batch_tokens: optional extra cap on B = sum(1 + l_r).
+    Raises:
+        TypeError/ValueError: bad gamma, cost table or budget.
+    """
+
+    def __init__(self, gamma: int, cost_table: CostTable, max_batch_tokens: int | None = None):
+        admission.check_gamma(gamma)
+        admission.check_budget(max_batch_tokens)
+        if not isinstance(cost_table, CostTable):
+            raise TypeError(f"cost_table must be a CostTable, got {type(cost_table).__name__}")
+        self.gamma = gamma
+        self.cost_table = cost_table
+        self.max_batch_tokens = max_batch_tokens
+        # Per past step: (R', cumulative ranked survival [R'*gamma + 1] f64, #slots with a > 0).
+        self._history: deque[tuple[int, torch.Tensor, int]] = deque(maxlen=LAG_STEPS)
+
+    def reset(self) -> None:
+        """Forget the history (a new, unrelated run starts)."""
+        self._history.clear()
+
+    def capacity(self, num_requests: int) -> int:
+        """K, the draft tokens step t may verify, from the survival of step t-2 (see module
+        docstring); 0 <= K <= R * gamma and R + K within the batch-token limit.
+        Raises ValueError when R itself exceeds the batch-token limit."""
+        if isinstance(num_requests, bool) or not isinstance(num_requests, int) or num_requests < 0:
+            raise ValueError(f"num_requests must be an int >= 0, got {num_requests!r}")
+        if num_requests == 0:
+            return 0
+        return self._capacity(num_requests)
+
+    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
+        """Admit the top-K slots of this step and record its survival for step t+2.
+
+        Args:
+            confidence: [R, gamma] float calibrated conditional survival c_{r,k} in [0, 1].
+        Returns:
+            [R] int64 lengths in 0..gamma on the confidence's device, sum(l_r) <= K.
+        Raises:
+            TypeError/ValueError: bad confidence, or R exceeds the batch-token limit.
+        """
+        admission.check_confidence(confidence, self.gamma)
+        num_req = confidence.shape[0]
+        if num_req == 0:
+            return torch.zeros(0, dtype=torch.int64, device=confidence.device)
+        k = self._capacity(num_req)
+        values, rows = admission.rank_slots(admission.survival(confidence))
+        admissible = admission.num_admissible(values)
+        lengths = admission.admit_first(rows, min(k, admissible), num_req)
+        self._history.append((num_req, admission.cumulative(values), admissible))
+        return lengths
+
+    def _capacity(self, num_req: int) -> int:
+        limit = admission.batch_limit(num_req, self.max_batch_tokens, self.cost_table)
+        num_slots = num_req * self.gamma
+        if len(self._history) < LAG_STEPS:
+            cum, admissible = torch.arange(num_slots + 1, dtype=torch.float64), num_slots
+        else:
+            cum, admissible = _stretch(*self._history[0], num_req, num_slots)
+        max_k = admission.max_admissions(num_req, admissible, limit)
+        theta = admission.throughput_curve(cum, num_req, max_k, self.cost_table)
+        return int(theta.argmax())      # first maximum: the smallest K among equal throughputs
+
+
+def _stretch(old_req: int, old_cum: torch.Tensor, old_admissible: int, num_req: int,
+             num_slots: int) -> tuple[torch.Tensor, int]:
+    """Old cumulative survival re-indexed for ``num_req`` requests: [num_slots + 1] float64
+    expected accepted drafts per k, and the stretched count of admissible slots."""
+    if old_req == num_req:
+        return old_cum, old_admissible
+    scaled = torch.arange(num_slots + 1, device=old_cum.device) * old_req
+    lo = scaled // num_req
+    frac = (scaled % num_req).double() / num_req
+    hi = (lo + 1).clamp(max=old_cum.numel() - 1)
+    cum = (old_cum[lo] + frac * (old_cum[hi] - old_cum[lo])) * (num_req / old_req)
+    return cum, old_admissible * num_req // old_req

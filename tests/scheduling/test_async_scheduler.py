@@ -1,0 +1,114 @@
+"""Asynchronous scheduler (paper Section 5.2): capacity K from the survival two steps back by
+global search (crossing SPS cliffs), top-K admission of the current step, history rules."""
+import pytest
+import torch
+
+from dspark_serve.scheduling import AsyncScheduler, CostTable, make_scheduler
+from dspark_serve.scheduling.admission import survival
+
+FLAT = CostTable((1, 4096), (1.0, 1.0), 4096)
+
+
+def test_capacity_is_the_global_optimum_on_jagged_tables(brute_force, jagged_table):
+    gen = torch.Generator().manual_seed(1)
+    crossed_cliff = 0
+    for case in range(120):
+        num_req, gamma = int(torch.randint(1, 4, (1,), generator=gen)), int(
+            torch.randint(1, 4, (1,), generator=gen))
+        table = jagged_table(num_req * (gamma + 1), gen)
+        history = torch.empty(num_req, gamma).uniform_(0.3, 1.0, generator=gen)
+        sched = make_scheduler("async", gamma=gamma, cost_table=table)
+        sched(history)                                  # step t-2
+        sched(torch.rand(num_req, gamma, generator=gen))  # step t-1: must not matter
+        _, best_k = brute_force(survival(history), table)
+        assert sched.capacity(num_req) == best_k, case
+        early = make_scheduler("algorithm1", gamma=gamma, cost_table=table)(history)
+        crossed_cliff += best_k > int(early.sum())
+    assert crossed_cliff > 10   # the jagged cases really have later, higher maxima
+
+
+def test_crosses_the_cliff_that_stops_algorithm1():
+    table = CostTable((1, 2, 4), (1.0, 0.5, 0.5), 4)
+    sched = make_scheduler("async", gamma=3, cost_table=table)
+    conf = torch.tensor([[0.9, 0.9, 0.9]])
+    sched(conf)
+    sched(conf)
+    assert sched.capacity(1) == 3   # Theta_3 = 1.7195 > Theta_0 = 1.0 > Theta_1 = 0.95
+    assert sched(conf).tolist() == [3]
+
+
+def test_capacity_uses_the_step_two_back():
+    table = CostTable((1, 2, 3), (1.0, 0.5, 0.45), 3)   # the paper's Appendix A curve
+    sched = make_scheduler("async", gamma=2, cost_table=table)
+    high, low = torch.tensor([[0.8, 0.9]]), torch.tensor([[0.8, 0.0]])
+    # No history: all slots assumed to survive, K = argmax (1 + k) * SPS(1 + k) = 2 (1.35).
+    assert sched.capacity(1) == 2
+    assert sched(low).tolist() == [1]      # K = 2, but a zero-survival slot is never admitted
+    assert sched.capacity(1) == 2          # still fewer than two steps of history
+    assert sched(high).tolist() == [2]
+    assert sched.capacity(1) == 0          # from `low`: Theta = 1.0, 0.9, 0.81
+    assert sched(high).tolist() == [0]
+    assert sched.capacity(1) == 2          # from `high`: Theta = 1.0, 0.9, 1.134
+    sched.reset()
+    assert sched.capacity(1) == 2
+
+
+def test_top_k_admission_respects_rank_and_prefixes():
+    gen = torch.Generator().manual_seed(2)
+    for case in range(50):
+        num_req, gamma = int(torch.randint(1, 40, (1,), generator=gen)), 6
+        conf = torch.rand(num_req, gamma, generator=gen).clamp(min=0.05)
+        conf[conf > 0.8] = 1.0                          # exact ties inside and across rows
+        sched = AsyncScheduler(gamma, FLAT, max_batch_tokens=num_req + int(
+            torch.randint(0, num_req * gamma + 1, (1,), generator=gen)))
+        k = sched.capacity(num_req)
+        lengths = sched(conf)
+        surv = survival(conf)
+        admitted = torch.arange(gamma)[None, :] < lengths[:, None]
+        assert int(lengths.sum()) == k, case
+        if 0 < k < num_req * gamma:
+            assert surv[admitted].min() >= surv[~admitted].max(), case
+
+
+def test_ties_break_by_position_then_request():
+    sched = AsyncScheduler(3, FLAT, max_batch_tokens=2 + 3)
+    conf = torch.tensor([[1.0, 1.0, 0.5], [1.0, 0.5, 1.0]])   # a = [[1, 1, .5], [1, .5, .5]]
+    assert sched(conf).tolist() == [2, 1]
+
+
+def test_request_count_change_stretches_the_history():
+    gen = torch.Generator().manual_seed(3)
+    for case in range(30):
+        table = jagged_table_for_stretch(gen)
+        rows = torch.empty(2, 4).uniform_(0.2, 1.0, generator=gen)
+        for copies in (2, 3):
+            stretched = make_scheduler("async", gamma=4, cost_table=table)
+            stretched(rows)
+            stretched(rows)
+            repeated = make_scheduler("async", gamma=4, cost_table=table)
+            repeated(rows.repeat(copies, 1))
+            repeated(rows.repeat(copies, 1))
+            # Two requests' history read for 2*copies requests = each request repeated.
+            assert stretched.capacity(2 * copies) == repeated.capacity(2 * copies), case
+        shrunk = stretched.capacity(1)
+        assert 0 <= shrunk <= 4
+
+
+def jagged_table_for_stretch(gen: torch.Generator) -> CostTable:
+    sps = torch.rand(30, generator=gen).add(0.1).cumsum(0).flip(0)   # decreasing, random steps
+    return CostTable(tuple(range(1, 31)), tuple(sps.tolist()), 30)
+
+
+def test_budget_and_errors():
+    sched = make_scheduler("async", gamma=4, cost_table=FLAT, max_batch_tokens=10)
+    conf = torch.full((3, 4), 0.9)
+    for _ in range(3):
+        assert int((1 + sched(conf)).sum()) == 10
+    with pytest.raises(ValueError, match="more than the limit"):
+        sched(torch.full((11, 4), 0.9))
+    with pytest.raises(ValueError, match="more than the limit"):
+        sched.capacity(11)
+    with pytest.raises(ValueError, match="num_requests"):
+        sched.capacity(-1)
+    assert sched.capacity(0) == 0
+    assert sched(torch.zeros(0, 4)).tolist() == []
