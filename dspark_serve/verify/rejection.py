@@ -68,8 +68,10 @@ def rejection_sample(target_probs: torch.Tensor, draft_tokens: torch.Tensor,
     rows = torch.arange(num_req, device=device)
     rejected = num_accepted < lengths
     final_target = target_probs[rows, num_accepted]                       # [R, V]
-    final_draft = draft_probs[rows, num_accepted.clamp(max=gamma - 1)] if gamma else \
-        torch.zeros_like(final_target)
+    # p_d at the rejected position; rows without a rejection (num_accepted may equal gamma)
+    # read a clamped, unused row.
+    final_draft = (draft_probs[rows, num_accepted.clamp(max=gamma - 1)] if gamma
+                   else torch.zeros_like(final_target))
     residual = (final_target - final_draft).clamp(min=0)
     # p_t == p_d can still reject through float rounding of the ratio; the residual is then
     # empty and p_t itself is the correct (measure-zero) fallback.
