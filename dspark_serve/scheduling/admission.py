@@ -4,8 +4,8 @@ Theta_k = tau_k * SPS(B_k) along the greedy admission path (paper Section 3.2.2)
 
 Ranking: slot (r, j) (request r, draft position j, 1-based) has survival a_{r,j} = prod_{i<=j}
 c_{r,i}, non-increasing in j. Slots are sorted by a descending with ties broken by position, then
-request (a stable sort over the position-major flattening), so a request's slot j always
-precedes its slot j+1: any first-K cut of the ranking is a set of per-request prefixes.
+request, so a request's slot j always precedes its slot j+1: any first-K cut of the ranking is
+a set of per-request prefixes.
 
 Non-anticipation (why top-K admission is lossless): whether slot (r, k) falls among the first K
 depends only on K and on slots ranked before it, i.e. other requests' slots (independent of
@@ -13,6 +13,7 @@ x_{r,k}) and (r, j<k), whose survival uses c_{r,1..j}, known before x_{r,k} is s
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dspark_serve.scheduling.cost_table import CostTable
@@ -69,8 +70,10 @@ def batch_limit(num_requests: int, max_batch_tokens: int | None,
 
 
 def survival(confidence: torch.Tensor) -> torch.Tensor:
-    """a_{r,j} = prod_{i<=j} c_{r,i}: [R, gamma] float -> [R, gamma] float64."""
-    return confidence.double().cumprod(dim=1)
+    """a_{r,j} = prod_{i<=j} c_{r,i}: [R, gamma] float -> [R, gamma] float32 (the confidence
+    head's precision; ``rank_slots`` ranks these values exactly)."""
+    # + 0.0 turns a -0.0 (allowed in the input) into +0.0, whose bits rank as zero.
+    return confidence.float().cumprod(dim=1) + 0.0
 
 
 def rank_slots(surv: torch.Tensor, eligible: torch.Tensor | None = None
@@ -78,7 +81,7 @@ def rank_slots(surv: torch.Tensor, eligible: torch.Tensor | None = None
     """Global prefix-respecting ranking of all R*gamma draft slots.
 
     Args:
-        surv: [R, gamma] float64 survival a_{r,j}.
+        surv: [R, gamma] float32 survival a_{r,j} (``survival``).
         eligible: optional [R, gamma] bool, prefix-closed per row; ineligible slots rank last
             with value -1.
     Returns:
@@ -86,14 +89,28 @@ def rank_slots(surv: torch.Tensor, eligible: torch.Tensor | None = None
     """
     num_req = surv.shape[0]
     keyed = surv if eligible is None else surv.masked_fill(~eligible, _INELIGIBLE)
-    values, order = torch.sort(keyed.t().reshape(-1), descending=True, stable=True)
-    return values, order % num_req
+    flat = keyed.t().reshape(-1)                                  # position-major
+    # One unique int64 key per slot: the float32 bits (ordered like the values, all >= 0 or
+    # the ineligible -1) in the high half, the position-major index breaking ties, so any
+    # sort algorithm gives the same order. Ascending key = descending survival.
+    if flat.device.type == "cpu":
+        # NumPy: several times less per-call overhead than torch for these small arrays,
+        # and its introsort beats torch.sort on the host.
+        host = flat.numpy()
+        keys = np.arange(host.size) - (host.view(np.int32).astype(np.int64) << 32)
+        order = np.argsort(keys)
+        return (torch.from_numpy(host[order].astype(np.float64)),
+                torch.from_numpy(order % num_req))
+    index = torch.arange(flat.numel(), device=flat.device)
+    order = torch.argsort(index - (flat.view(torch.int32).long() << 32))
+    return flat[order].double(), order % num_req
 
 
 def num_admissible(values: torch.Tensor, *, admit_zero: bool = False) -> int:
     """Leading ranked slots that may be admitted: eligible ones, and unless ``admit_zero``
     only those with survival > 0 (a zero-survival slot cannot add expected accepted tokens)."""
-    return int(((values >= 0) if admit_zero else (values > 0)).sum())
+    admissible = (values >= 0) if admit_zero else (values > 0)
+    return int(admissible.sum())
 
 
 def admit_first(rows: torch.Tensor, k: int, num_requests: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dspark_serve.scheduling import CostTable
 def theta_of(surv: torch.Tensor, lengths, table: CostTable) -> float:
     """Theta = tau * SPS(B), tau = sum(1 + sum_{j<=l_r} a_{r,j}), B = sum(1 + l_r)."""
     lengths = [int(v) for v in lengths]
-    tau = sum(1.0 + float(surv[r, :l].sum()) for r, l in enumerate(lengths))
+    tau = sum(1.0 + float(surv[r, :l].double().sum()) for r, l in enumerate(lengths))
     batch = sum(1 + l for l in lengths)
     return tau * float(table.sps(torch.tensor([batch]))[0])
 

@@ -1,0 +1,1 @@
+"""Micro-benchmarks behind ``dspark-serve bench`` (one module per benchmark, see ``cli``)."""
