@@ -90,17 +90,24 @@ def rank_slots(surv: torch.Tensor, eligible: torch.Tensor | None = None
     num_req = surv.shape[0]
     keyed = surv if eligible is None else surv.masked_fill(~eligible, _INELIGIBLE)
     flat = keyed.t().reshape(-1)                                  # position-major
-    # One unique int64 key per slot: the float32 bits (ordered like the values, all >= 0 or
-    # the ineligible -1) in the high half, the position-major index breaking ties, so any
-    # sort algorithm gives the same order. Ascending key = descending survival.
     if flat.device.type == "cpu":
-        # NumPy: several times less per-call overhead than torch for these small arrays,
-        # and its introsort beats torch.sort on the host.
-        host = flat.numpy()
-        keys = np.arange(host.size) - (host.view(np.int32).astype(np.int64) << 32)
-        order = np.argsort(keys)
-        return (torch.from_numpy(host[order].astype(np.float64)),
-                torch.from_numpy(order % num_req))
+        return _rank_on_host(flat.numpy(), num_req)
+    return _rank_on_device(flat, num_req)
+
+
+# Both rankers sort one unique int64 key per slot: the float32 bits (ordered like the values,
+# all >= 0 or the ineligible -1) in the high half minus the position-major index, so ascending
+# keys = descending survival, ties by position then request, whatever the sort algorithm.
+
+def _rank_on_host(flat: np.ndarray, num_req: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # NumPy: far less per-call overhead than torch for these small arrays, and its introsort
+    # beats torch.sort on the host.
+    keys = np.arange(flat.size) - (flat.view(np.int32).astype(np.int64) << 32)
+    order = np.argsort(keys)
+    return torch.from_numpy(flat[order].astype(np.float64)), torch.from_numpy(order % num_req)
+
+
+def _rank_on_device(flat: torch.Tensor, num_req: int) -> tuple[torch.Tensor, torch.Tensor]:
     index = torch.arange(flat.numel(), device=flat.device)
     order = torch.argsort(index - (flat.view(torch.int32).long() << 32))
     return flat[order].double(), order % num_req

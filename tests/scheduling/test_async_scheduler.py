@@ -70,10 +70,17 @@ def test_top_k_admission_respects_rank_and_prefixes():
             assert surv[admitted].min() >= surv[~admitted].max(), case
 
 
-def test_ties_break_by_position_then_request():
-    sched = AsyncScheduler(3, FLAT, max_batch_tokens=2 + 3)
-    conf = torch.tensor([[1.0, 1.0, 0.5], [1.0, 0.5, 1.0]])   # a = [[1, 1, .5], [1, .5, .5]]
-    assert sched(conf).tolist() == [2, 1]
+@pytest.mark.parametrize("conf, k, expected", [
+    ([[1.0, 1.0, 0.5], [1.0, 0.5, 1.0]], 3, [2, 1]),   # a = [[1, 1, .5], [1, .5, .5]]
+    ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], 1, [1, 0]),   # all tied: position, then request
+    ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], 2, [1, 1]),
+    ([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], 3, [2, 1]),
+    ([[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]], 2, [1, 1]),
+    ([[1.0, 0.5, 1.0], [1.0, 1.0, 1.0]], 3, [1, 2]),
+])
+def test_ties_break_by_position_then_request(conf, k, expected):
+    sched = AsyncScheduler(3, FLAT, max_batch_tokens=2 + k)   # first step: K = budget - R
+    assert sched(torch.tensor(conf)).tolist() == expected
 
 
 def test_request_count_change_stretches_the_history():
