@@ -13,6 +13,8 @@ x_{r,k}) and (r, j<k), whose survival uses c_{r,1..j}, known before x_{r,k} is s
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -72,64 +74,84 @@ def batch_limit(num_requests: int, max_batch_tokens: int | None,
 def survival(confidence: torch.Tensor) -> torch.Tensor:
     """a_{r,j} = prod_{i<=j} c_{r,i}: [R, gamma] float -> [R, gamma] float32 (the confidence
     head's precision; ``rank_slots`` ranks these values exactly)."""
-    # + 0.0 turns a -0.0 (allowed in the input) into +0.0, whose bits rank as zero.
-    return confidence.float().cumprod(dim=1) + 0.0
+    return confidence.float().cumprod(dim=1)
 
 
-def rank_slots(surv: torch.Tensor, eligible: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+class Ranking(NamedTuple):
+    """All R*gamma draft slots in admission order (``rank_slots``).
+
+    values:   [n] float64 survival, descending; ineligible slots -1, last.
+    rows:     [n] int64 request of each ranked slot.
+    cum:      [n + 1] float64 S_k = summed survival of the first k slots (ineligible as 0):
+              the expected accepted draft tokens when they are verified.
+    positive: number of eligible slots with survival > 0, ranked first.
+    eligible: number of eligible slots (positive ones, then zero-survival ones).
+    """
+
+    values: torch.Tensor
+    rows: torch.Tensor
+    cum: torch.Tensor
+    positive: int
+    eligible: int
+
+
+def rank_slots(surv: torch.Tensor, eligible: torch.Tensor | None = None) -> Ranking:
     """Global prefix-respecting ranking of all R*gamma draft slots.
 
     Args:
         surv: [R, gamma] float32 survival a_{r,j} (``survival``).
-        eligible: optional [R, gamma] bool, prefix-closed per row; ineligible slots rank last
-            with value -1.
+        eligible: optional [R, gamma] bool, prefix-closed per row; ineligible slots rank last.
     Returns:
-        (values [R*gamma] float64 descending, rows [R*gamma] int64 request of each ranked slot).
+        ``Ranking``, tensors on the device of ``surv``.
     """
     num_req = surv.shape[0]
-    keyed = surv if eligible is None else surv.masked_fill(~eligible, _INELIGIBLE)
-    flat = keyed.t().reshape(-1)                                  # position-major
-    if flat.device.type == "cpu":
-        return _rank_on_host(flat.numpy(), num_req)
-    return _rank_on_device(flat, num_req)
+    if surv.device.type == "cpu":
+        mask = None if eligible is None else eligible.numpy().T.ravel()
+        return _rank_on_host(surv.numpy().T.ravel(), mask, num_req)
+    mask = None if eligible is None else eligible.t().reshape(-1)
+    return _rank_on_device(surv.t().reshape(-1), mask, num_req)
 
 
-# Both rankers sort one unique int64 key per slot: the float32 bits (ordered like the values,
-# all >= 0 or the ineligible -1) in the high half minus the position-major index, so ascending
-# keys = descending survival, ties by position then request, whatever the sort algorithm.
+# Both rankers flatten position-major and sort one unique int64 key per slot: minus the
+# float32 bits (ordered like the values, all >= 0 or the ineligible -1) in the high half, the
+# flat index in the low 32 bits. Ascending keys = descending survival, ties by position then
+# request, whatever the sort algorithm, and the sorted keys carry the order in their low bits.
+# "+ 0.0" turns a -0.0 survival (from a -0.0 confidence) into +0.0, whose bits rank as zero.
+_LOW_32 = 0xFFFFFFFF
 
-def _rank_on_host(flat: np.ndarray, num_req: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # NumPy: far less per-call overhead than torch for these small arrays, and its introsort
-    # beats torch.sort on the host.
+
+def _rank_on_host(flat: np.ndarray, eligible: np.ndarray | None, num_req: int) -> Ranking:
+    # NumPy: far less per-call overhead than torch on these small arrays, and its
+    # (vectorised) sort of plain int64 values is several times faster than torch.sort.
+    flat = flat + np.float32(0.0)
+    if eligible is not None:
+        flat[~eligible] = _INELIGIBLE
     keys = np.arange(flat.size) - (flat.view(np.int32).astype(np.int64) << 32)
-    order = np.argsort(keys)
-    return torch.from_numpy(flat[order].astype(np.float64)), torch.from_numpy(order % num_req)
+    order = np.sort(keys) & _LOW_32
+    values = flat[order].astype(np.float64)
+    cum = np.zeros(values.size + 1)
+    np.cumsum(np.maximum(values, 0.0), out=cum[1:])
+    return Ranking(torch.from_numpy(values), torch.from_numpy(order % num_req),
+                   torch.from_numpy(cum), int(np.count_nonzero(values > 0)),
+                   int(np.count_nonzero(values >= 0)))
 
 
-def _rank_on_device(flat: torch.Tensor, num_req: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rank_on_device(flat: torch.Tensor, eligible: torch.Tensor | None, num_req: int) -> Ranking:
+    flat = flat + 0.0
+    if eligible is not None:
+        flat = flat.masked_fill(~eligible, _INELIGIBLE)
     index = torch.arange(flat.numel(), device=flat.device)
-    order = torch.argsort(index - (flat.view(torch.int32).long() << 32))
-    return flat[order].double(), order % num_req
-
-
-def num_admissible(values: torch.Tensor, *, admit_zero: bool = False) -> int:
-    """Leading ranked slots that may be admitted: eligible ones, and unless ``admit_zero``
-    only those with survival > 0 (a zero-survival slot cannot add expected accepted tokens)."""
-    admissible = (values >= 0) if admit_zero else (values > 0)
-    return int(admissible.sum())
+    order = torch.sort(index - (flat.view(torch.int32).long() << 32)).values & _LOW_32
+    values = flat[order].double()
+    cum = torch.cat([values.new_zeros(1), values.clamp(min=0).cumsum(0)])
+    counts = torch.stack([(values > 0).sum(), (values >= 0).sum()]).tolist()
+    return Ranking(values, order % num_req, cum, *counts)
 
 
 def admit_first(rows: torch.Tensor, k: int, num_requests: int) -> torch.Tensor:
     """l_r = number of request r's slots among the first ``k`` ranked slots (``rank_slots``).
     Returns [R] int64, each a valid prefix length in 0..gamma."""
     return torch.bincount(rows[:k], minlength=num_requests)
-
-
-def cumulative(values: torch.Tensor) -> torch.Tensor:
-    """[n] ranked survival (ineligible entries < 0) -> [n + 1] float64 prefix sums from 0:
-    S_k, the expected accepted draft tokens when the first k ranked slots are verified."""
-    return torch.cat([values.new_zeros(1), values.clamp(min=0).cumsum(0)])
 
 
 def max_admissions(num_requests: int, admissible: int, limit: int | None) -> int:
@@ -140,6 +162,6 @@ def max_admissions(num_requests: int, admissible: int, limit: int | None) -> int
 def throughput_curve(cum_survival: torch.Tensor, num_requests: int, max_k: int,
                      cost_table: CostTable) -> torch.Tensor:
     """Theta_k = (R + S_k) * SPS(R + k) in expected tokens/s for admitting the first k ranked
-    slots, k = 0..max_k: [max_k + 1] float64 (``cum_survival`` as from ``cumulative``)."""
+    slots, k = 0..max_k: [max_k + 1] float64 (``cum_survival`` as ``Ranking.cum``)."""
     sps = cost_table.sps_range(num_requests, num_requests + max_k + 1, cum_survival.device)
     return (cum_survival[:max_k + 1] + num_requests) * sps

@@ -61,10 +61,9 @@ class Algorithm1Scheduler:
         if num_req == 0:
             return torch.zeros(0, dtype=torch.int64, device=confidence.device)
         limit = admission.batch_limit(num_req, self.max_batch_tokens, self.cost_table)
-        values, rows = admission.rank_slots(admission.survival(confidence))
-        max_k = admission.max_admissions(num_req, admission.num_admissible(values), limit)
-        theta = admission.throughput_curve(admission.cumulative(values), num_req, max_k,
-                                           self.cost_table)
+        ranking = admission.rank_slots(admission.survival(confidence))
+        max_k = admission.max_admissions(num_req, ranking.positive, limit)
+        theta = admission.throughput_curve(ranking.cum, num_req, max_k, self.cost_table)
         improving = theta[1:] > theta[:-1]
         num_admitted = int(improving.cumprod(0).sum())
-        return admission.admit_first(rows, num_admitted, num_req)
+        return admission.admit_first(ranking.rows, num_admitted, num_req)

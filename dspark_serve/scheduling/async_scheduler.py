@@ -89,10 +89,9 @@ class AsyncScheduler:
         if num_req == 0:
             return torch.zeros(0, dtype=torch.int64, device=confidence.device)
         k = self._capacity(num_req)
-        values, rows = admission.rank_slots(admission.survival(confidence))
-        admissible = admission.num_admissible(values)
-        lengths = admission.admit_first(rows, min(k, admissible), num_req)
-        self._history.append((num_req, admission.cumulative(values), admissible))
+        ranking = admission.rank_slots(admission.survival(confidence))
+        lengths = admission.admit_first(ranking.rows, min(k, ranking.positive), num_req)
+        self._history.append((num_req, ranking.cum, ranking.positive))
         return lengths
 
     def _capacity(self, num_req: int) -> int:

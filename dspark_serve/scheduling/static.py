@@ -69,6 +69,5 @@ def _fit_budget(confidence: torch.Tensor, lengths: torch.Tensor,
         return lengths
     positions = torch.arange(confidence.shape[1], device=confidence.device)
     eligible = positions[None, :] < lengths[:, None]
-    values, rows = admission.rank_slots(admission.survival(confidence), eligible)
-    k = min(limit - num_req, admission.num_admissible(values, admit_zero=True))
-    return admission.admit_first(rows, k, num_req)
+    ranking = admission.rank_slots(admission.survival(confidence), eligible)
+    return admission.admit_first(ranking.rows, min(limit - num_req, ranking.eligible), num_req)

@@ -1,5 +1,5 @@
-"""The shared ranking: descending survival, ties by position then request, host (NumPy) and
-device (torch) rankers identical."""
+"""The shared ranking: descending survival, ties by position then request, consistent sums
+and counts, host (NumPy) and device (torch) rankers identical."""
 import torch
 
 from dspark_serve.scheduling import admission
@@ -20,23 +20,28 @@ def test_ranking_is_descending_prefix_respecting_and_the_same_on_both_paths():
         lengths = torch.randint(0, gamma + 1, (num_req,), generator=gen)
         eligible = torch.arange(gamma)[None, :] < lengths[:, None]
         for mask in (None, eligible):
-            values, rows = admission.rank_slots(surv, mask)
+            ranking = admission.rank_slots(surv, mask)
+            flat_mask = None if mask is None else mask.t().reshape(-1)
+            on_device = admission._rank_on_device(surv.t().reshape(-1), flat_mask, num_req)
+            for got, expected in zip(ranking, on_device):
+                assert (torch.equal(got, expected) if isinstance(got, torch.Tensor)
+                        else got == expected), case
             keyed = surv if mask is None else surv.masked_fill(~mask, -1.0)
-            flat = keyed.t().reshape(-1)
-            device_values, device_rows = admission._rank_on_device(flat, num_req)
-            assert torch.equal(values, device_values) and torch.equal(rows, device_rows), case
-            assert bool((values[:-1] >= values[1:]).all()), case
-            assert torch.equal(values, flat.double().sort(descending=True).values), case
+            values = ranking.values
+            assert torch.equal(values, keyed.reshape(-1).double().sort(descending=True).values)
+            assert torch.allclose(ranking.cum[1:], values.clamp(min=0).cumsum(0), rtol=0,
+                                  atol=1e-12) and ranking.cum[0] == 0
+            assert ranking.positive == int((keyed > 0).sum()), case
+            assert ranking.eligible == int((keyed >= 0).sum()), case
             # Every cut is a set of prefixes: row r's i-th ranked slot is its position i.
             seen = torch.zeros(num_req, dtype=torch.int64)
-            for value, row in zip(values.tolist(), rows.tolist()):
+            for value, row in zip(values.tolist(), ranking.rows.tolist()):
                 assert value == float(keyed[row, seen[row]]), case
                 seen[row] += 1
 
 
 def test_negative_zero_confidence_ranks_as_zero():
-    surv = admission.survival(torch.tensor([[0.5, -0.0], [0.0, 1.0]]))
-    values, rows = admission.rank_slots(surv)
-    assert values.tolist() == [0.5, 0.0, 0.0, 0.0] and rows.tolist() == [0, 1, 0, 1]
-    assert admission.num_admissible(values) == 1
-    assert admission.num_admissible(values, admit_zero=True) == 4
+    ranking = admission.rank_slots(admission.survival(torch.tensor([[0.5, -0.0], [0.0, 1.0]])))
+    assert ranking.values.tolist() == [0.5, 0.0, 0.0, 0.0]
+    assert ranking.rows.tolist() == [0, 1, 0, 1]
+    assert (ranking.positive, ranking.eligible) == (1, 4)

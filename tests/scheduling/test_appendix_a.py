@@ -24,10 +24,9 @@ TOLERANCE = 0.01
 
 def retrospective(confidence: torch.Tensor) -> torch.Tensor:
     """Global argmax of Theta over the CURRENT step's ranking: the anticipating scheduler."""
-    values, rows = admission.rank_slots(admission.survival(confidence))
-    theta = admission.throughput_curve(admission.cumulative(values), confidence.shape[0],
-                                       admission.num_admissible(values), TABLE)
-    return admission.admit_first(rows, int(theta.argmax()), confidence.shape[0])
+    ranking = admission.rank_slots(admission.survival(confidence))
+    theta = admission.throughput_curve(ranking.cum, confidence.shape[0], ranking.positive, TABLE)
+    return admission.admit_first(ranking.rows, int(theta.argmax()), confidence.shape[0])
 
 
 def first_token_distribution(scheduler, seed: int) -> torch.Tensor:
