@@ -1,0 +1,129 @@
+"""Sequential stage of semi-autoregressive drafting (paper Eq 4) and its teacher-forced twin.
+
+p_k(. | x_0, x_<k) = warp(U_k + B_k(x_0, x_<k, .)) for k = 1..gamma, sampled left to right;
+U_k are the backbone's base logits, B_k the sequential head's bias (none: the DFlash
+ablation, where every position is independent), x_0 the anchor. The warping (temperature,
+top-k, top-p, min-p) is ``dspark_serve.sampling.warping.warp_probs``, the same function the
+verifier applies to the target, so rejection sampling compares like with like. The bias is
+added in float32 (DeepSpec adds it in the model dtype; float32 keeps bf16 drafters from
+rounding the sum).
+
+The teacher-forced path evaluates the same per-position computation for given tokens, so its
+logits equal the sampling path's bit for bit when fed the sampled tokens.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dspark_serve.drafter.confidence_head import ConfidenceHead
+from dspark_serve.sampling.sampler import sample_from_probs
+from dspark_serve.sampling.warping import warp_probs
+from dspark_serve.types import DraftBlock, SamplingTensors
+
+
+def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens: torch.Tensor,
+                 head: nn.Module | None, confidence_head: ConfidenceHead | None,
+                 sampling: SamplingTensors, uniforms: torch.Tensor) -> DraftBlock:
+    """Draw x_1..x_gamma for R blocks (Eq 4) and their confidence logits (Eq 7).
+
+    Args:
+        base_logits: [R, gamma, V] float, U_k.
+        hidden: [R, gamma, d] backbone hidden states h_k.
+        anchor_tokens: [R] int64, x_0.
+        head: sequential head (``MarkovHead``/``GatedMarkovHead``/``RNNHead``) or None.
+        confidence_head: ``ConfidenceHead`` or None (then conf_logits are zeros).
+        sampling: ``SamplingTensors`` with R rows.
+        uniforms: [R, gamma] float32 in [0, 1); position k uses column k-1.
+    Returns:
+        ``DraftBlock`` (tokens [R, gamma] int64, probs [R, gamma, V] float32 = the warped
+        p_d each token was drawn from, conf_logits [R, gamma] float32).
+    Raises:
+        ValueError: inconsistent shapes or dtypes.
+    """
+    r, gamma, vocab = _check(base_logits, hidden, anchor_tokens)
+    if uniforms.shape != (r, gamma) or uniforms.dtype != torch.float32:
+        raise ValueError(f"uniforms must be float32 [{r}, {gamma}], got {uniforms.dtype} "
+                         f"{tuple(uniforms.shape)}")
+    if head is None:
+        # Independent positions: warp and sample the whole block at once.
+        probs = warp_probs(base_logits.float().reshape(r * gamma, vocab),
+                           sampling.repeat_interleave(gamma)).view(r, gamma, vocab)
+        tokens = sample_from_probs(probs.view(r * gamma, vocab), uniforms.reshape(-1))
+        tokens = tokens.view(r, gamma)
+    else:
+        state = head.init_state((r,), hidden)
+        prev = anchor_tokens
+        token_list, prob_list = [], []
+        for k in range(gamma):
+            state, bias = head.step(state, prev, hidden[:, k])
+            probs_k = warp_probs(base_logits[:, k].float() + bias.float(), sampling)
+            prev = sample_from_probs(probs_k, uniforms[:, k].contiguous())
+            token_list.append(prev)
+            prob_list.append(probs_k)
+        tokens, probs = torch.stack(token_list, dim=1), torch.stack(prob_list, dim=1)
+    conf = confidence_logits(hidden, _prev_tokens(anchor_tokens, tokens), head, confidence_head)
+    return DraftBlock(tokens=tokens, probs=probs, conf_logits=conf)
+
+
+def teacher_forced(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens: torch.Tensor,
+                   tokens: torch.Tensor, head: nn.Module | None,
+                   confidence_head: ConfidenceHead | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq 4 logits and Eq 7 confidence logits of all gamma positions for given tokens.
+
+    Args:
+        base_logits, hidden, anchor_tokens, head, confidence_head: as ``sample_block``.
+        tokens: [R, gamma] int64, x_1..x_gamma (x_k conditions positions > k only).
+    Returns:
+        logits [R, gamma, V] float32 (U_k + B_k, unwarped), conf_logits [R, gamma] float32.
+    Raises:
+        ValueError: inconsistent shapes or dtypes.
+    """
+    r, gamma, _ = _check(base_logits, hidden, anchor_tokens)
+    if tokens.shape != (r, gamma) or tokens.dtype != torch.int64:
+        raise ValueError(f"tokens must be int64 [{r}, {gamma}], got {tokens.dtype} "
+                         f"{tuple(tokens.shape)}")
+    prev = _prev_tokens(anchor_tokens, tokens)
+    if head is None:
+        logits = base_logits.float()
+    else:
+        state = head.init_state((r,), hidden)
+        steps = []
+        for k in range(gamma):
+            state, bias = head.step(state, prev[:, k], hidden[:, k])
+            steps.append(base_logits[:, k].float() + bias.float())
+        logits = torch.stack(steps, dim=1)
+    return logits, confidence_logits(hidden, prev, head, confidence_head)
+
+
+def confidence_logits(hidden: torch.Tensor, prev_tokens: torch.Tensor, head: nn.Module | None,
+                      confidence_head: ConfidenceHead | None) -> torch.Tensor:
+    """Eq 7 logits [R, gamma] float32 from hidden [R, gamma, d] and x_{k-1} [R, gamma];
+    zeros without a confidence head."""
+    if confidence_head is None:
+        return torch.zeros(prev_tokens.shape, dtype=torch.float32, device=hidden.device)
+    markov = None
+    if confidence_head.markov_rank > 0:
+        if head is None:
+            raise ValueError("the confidence head uses the Markov embedding but there is no head")
+        markov = head.prev_embedding(prev_tokens)
+    return confidence_head(hidden, markov)
+
+
+def _prev_tokens(anchor_tokens: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """x_{k-1} for k = 1..gamma: [anchor, x_1, ..., x_{gamma-1}]."""
+    return torch.cat([anchor_tokens[:, None], tokens[:, :-1]], dim=1)
+
+
+def _check(base_logits: torch.Tensor, hidden: torch.Tensor,
+           anchor_tokens: torch.Tensor) -> tuple[int, int, int]:
+    if base_logits.dim() != 3 or not base_logits.is_floating_point():
+        raise ValueError(f"base_logits must be floating [R, gamma, V], got "
+                         f"{base_logits.dtype} {tuple(base_logits.shape)}")
+    r, gamma, vocab = base_logits.shape
+    if hidden.dim() != 3 or hidden.shape[:2] != (r, gamma):
+        raise ValueError(f"hidden must be [{r}, {gamma}, d], got {tuple(hidden.shape)}")
+    if anchor_tokens.shape != (r,) or anchor_tokens.dtype != torch.int64:
+        raise ValueError(f"anchor_tokens must be int64 [{r}], got {anchor_tokens.dtype} "
+                         f"{tuple(anchor_tokens.shape)}")
+    return r, gamma, vocab

@@ -1,0 +1,151 @@
+"""Drafter checkpoints: load DeepSpec DSpark and z-lab DFlash folders, save DeepSpec's format.
+
+Both formats are a folder with ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), tensor names without a ``model.`` prefix:
+``fc.weight``, ``hidden_norm.weight``, ``norm.weight`` and per layer i
+``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``.bias`` with attention_bias),
+``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
+``layers.{i}.{input,post_attention}_layernorm.weight``. DeepSpec adds
+``markov_head.markov_w1.weight`` [V, r], ``markov_head.markov_w2.weight`` [V, r],
+``markov_head.gate_proj.{weight,bias}`` (gated head), ``markov_head.joint_proj.{weight,bias}``
+[3r, 2r+d] (RNN head) and ``confidence_head.proj.{weight,bias}`` [1, d(+r)], [1]
+(``deepspec/modeling/dspark/{markov_head,common}.py``, ``qwen3/modeling.py``).
+
+Shared modules: DeepSpec's ``Qwen3DSparkModel`` owns frozen copies of the target's embedding
+and LM head, and ``save_pretrained`` writes them (``embed_tokens.weight``, ``lm_head.weight``);
+its evaluator reloads them from the draft folder. z-lab's ``DFlashDraftModel`` owns neither and
+calls the target's. We always use the target's: the loader skips those two tensors (checking
+their shapes), and the saver writes them only with ``include_shared=True`` (so DeepSpec's own
+``from_pretrained`` gets a complete model).
+
+Label alignment (checked in the sources; both put block slot j at position anchor_pos + j,
+anchor = slot 0, mask tokens after it):
+- DeepSpec: slot j's output predicts the token at anchor_pos + j + 1 (``forward`` builds
+  ``label_indices = anchor_positions + arange(1, block_size + 1)``, and the evaluator samples
+  from ``block_hidden[:, :block_size]``), so the anchor's output is the first draft logit and
+  gamma = block_size (the paper's "anchor as the first prediction position", Section 3.1).
+- z-lab DFlash: slot j >= 1 predicts the token at anchor_pos + j (``dflash_generate`` takes
+  ``model(...)[:, 1 - block_size:]`` and writes the samples to ``block_output_ids[:, 1:]``); the
+  anchor's output is unused and gamma = block_size - 1.
+Our convention is "gamma draft logits from slots label_offset..block_size-1", so DeepSpec loads
+with label_offset 0 and DFlash with label_offset 1; the weights need no change. A DFlash-aligned
+drafter cannot be saved in the DeepSpec format (``DSparkConfig.to_deepspec_dict`` refuses).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspark_serve.drafter.config import DEEPSPEC_ARCHITECTURE, DFLASH_ARCHITECTURE, DSparkConfig
+from dspark_serve.drafter.model import DSparkDrafter
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
+_BACKBONE_PREFIX = "backbone."
+# Non-persistent RoPE tables some transformers versions still write; recomputed here.
+_IGNORED_PREFIXES = ("rotary_emb.",)
+
+
+def read_config(path: str | Path) -> DSparkConfig:
+    """The ``DSparkConfig`` of a checkpoint folder, dispatching on ``architectures``.
+    Raises ValueError for an unknown architecture or a bad config."""
+    cfg = json.loads((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))
+    arch = cfg.get("architectures")
+    if arch == [DEEPSPEC_ARCHITECTURE]:
+        return DSparkConfig.from_deepspec_dict(cfg)
+    if arch == [DFLASH_ARCHITECTURE]:
+        return DSparkConfig.from_dflash_dict(cfg)
+    raise ValueError(f"unsupported drafter architectures {arch!r}; expected "
+                     f"[{DEEPSPEC_ARCHITECTURE!r}] or [{DFLASH_ARCHITECTURE!r}]")
+
+
+def load_drafter(path: str | Path, embed_tokens: Callable[[torch.Tensor], torch.Tensor],
+                 lm_head: Callable[[torch.Tensor], torch.Tensor], *,
+                 dtype: torch.dtype | None = None,
+                 device: torch.device | str = "cpu") -> DSparkDrafter:
+    """Load a DeepSpec or DFlash drafter folder onto the target's embedding and LM head.
+
+    Tensors keep the file's dtype unless ``dtype`` is given. Raises ValueError for a bad
+    config, missing, unexpected or mis-shaped tensors.
+    """
+    config = read_config(path)
+    tensors = _read_tensors(Path(path))
+    for key in SHARED_KEYS:
+        t = tensors.pop(key, None)
+        if t is not None and tuple(t.shape) != (config.vocab_size, config.hidden_size):
+            raise ValueError(f"{key} has shape {tuple(t.shape)}, expected "
+                             f"({config.vocab_size}, {config.hidden_size})")
+    for key in [k for k in tensors if k.startswith(_IGNORED_PREFIXES)]:
+        del tensors[key]
+    with torch.device("meta"):
+        drafter = DSparkDrafter(config, embed_tokens, lm_head)
+    expected = {to_file_key(k): v.shape for k, v in drafter.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint tensors do not match the config: missing {missing}, "
+                         f"unexpected {unexpected}")
+    bad = [f"{k}: {tuple(tensors[k].shape)} != {tuple(s)}" for k, s in expected.items()
+           if tensors[k].shape != s]
+    if bad:
+        raise ValueError(f"checkpoint tensors have wrong shapes: {bad}")
+    drafter.load_state_dict({from_file_key(k): t for k, t in tensors.items()}, assign=True)
+    return drafter.to(device=device, dtype=dtype)
+
+
+def save_drafter(drafter: DSparkDrafter, path: str | Path, *, include_shared: bool = False) -> None:
+    """Write ``drafter`` as a DeepSpec DSpark folder (config.json + model.safetensors).
+
+    ``include_shared`` also writes the target's embedding and LM head weights (their
+    ``weight`` attributes) under DeepSpec's names. Raises ValueError for a DFlash-aligned
+    drafter or, with ``include_shared``, shared modules without a ``weight``.
+    """
+    config = drafter.config.to_deepspec_dict()
+    tensors = {to_file_key(k): t.detach().contiguous() for k, t in drafter.state_dict().items()}
+    if include_shared:
+        for key, module in zip(SHARED_KEYS, drafter.shared_modules):
+            weight = getattr(module, "weight", None)
+            if weight is None:
+                raise ValueError(f"include_shared needs a module with a weight for {key}")
+            # clone: a tied embedding/LM head would otherwise share storage, which
+            # safetensors refuses to write.
+            tensors[key] = weight.detach().clone().contiguous()
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.cpu() for k, t in tensors.items()}, str(out / WEIGHTS_FILE),
+              metadata={"format": "pt"})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n",
+                                   encoding="utf-8")
+
+
+def to_file_key(name: str) -> str:
+    """Our state_dict name -> checkpoint tensor name (the backbone lives at the top level)."""
+    return name[len(_BACKBONE_PREFIX):] if name.startswith(_BACKBONE_PREFIX) else name
+
+
+def from_file_key(key: str) -> str:
+    """Checkpoint tensor name -> our state_dict name."""
+    return key if key.startswith(("markov_head.", "confidence_head.")) else _BACKBONE_PREFIX + key
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+    elif (folder / WEIGHTS_FILE).exists():
+        files = [WEIGHTS_FILE]
+    else:
+        raise ValueError(f"{folder} has neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    return tensors
