@@ -1,0 +1,177 @@
+"""Sweep: for each server configuration and each concurrency level, a fresh server on a free
+loopback port, a warm-up, a bounded headless Locust run, and a summary row; results go to
+``summary.csv`` / ``summary.json`` / ``requests.csv`` under the output folder (rewritten after
+every run, so an interrupted sweep keeps what it measured) plus one folder per run with the
+server and Locust logs, the raw records and Locust's CSV statistics.
+
+A total time budget bounds the whole sweep: each run gets an equal share of what is left, minus
+the measured start/stop overhead of the runs so far (runs past the budget are recorded as
+skipped), so ``python -m loadtest sweep`` finishes in the stated time on any machine.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.records import RequestRecord, read_records
+from loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
+from loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
+
+LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+# name -> dspark-serve serve flags
+CONFIGS = {
+    "none": ["--speculative", "none"],
+    "dflash": ["--speculative", "dflash"],
+    "dspark": ["--speculative", "dspark", "--scheduler", "async"],
+    "dspark-algorithm1": ["--speculative", "dspark", "--scheduler", "algorithm1"],
+    "dspark-static": ["--speculative", "dspark", "--scheduler", "static"],
+    "dspark-threshold": ["--speculative", "dspark", "--scheduler", "threshold"],
+}
+ALL_CONFIGS = tuple(CONFIGS)
+OVERHEAD_GUESS_S = 20.0  # start + warm-up + stop of one run, until one has been measured
+MIN_RUN_S = 3
+PLOT_RESERVE_S = 10.0
+RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
+
+
+@dataclass
+class SweepOptions:
+    """Everything one sweep needs (``python -m loadtest sweep --help`` documents each)."""
+
+    out_dir: Path
+    configs: list[str] = field(default_factory=lambda: ["none", "dflash", "dspark"])
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    run_time_s: int = 40
+    time_budget_s: float = 900.0
+    max_requests: int = 0
+    prompt_sets: str = "mtbench,humaneval,sharegpt"
+    max_tokens: int = 96
+    min_tokens: int = 16
+    max_prompt_chars: int = 1200
+    think_time_s: float = 0.5
+    temperature: float = 0.0
+    seed: int = 0
+    server_cmd: list[str] = field(default_factory=lambda: list(DEFAULT_SERVER_CMD))
+    server_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown or not self.configs:
+            raise ValueError(f"unknown or no configs {unknown}; choose from {', '.join(CONFIGS)}")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency}")
+        if self.run_time_s < MIN_RUN_S or self.time_budget_s <= 0:
+            raise ValueError(f"need run_time_s >= {MIN_RUN_S} and a positive time budget")
+        self.out_dir = Path(self.out_dir)
+
+
+def locust_command(opts: SweepOptions, url: str, users: int, run_time_s: int,
+                   run_dir: Path) -> list[str]:
+    """The headless Locust command line of one run."""
+    return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+            "-u", str(users), "-r", str(max(users, 100)), "-t", f"{run_time_s}s", "-H", url,
+            "--only-summary", "--csv", str(run_dir / "locust"),
+            "--records-file", str(run_dir / "requests.jsonl"),
+            "--window-file", str(run_dir / "window.json"),
+            "--max-requests", str(opts.max_requests), "--prompt-sets", opts.prompt_sets,
+            "--max-tokens", str(opts.max_tokens), "--min-tokens", str(opts.min_tokens),
+            "--max-prompt-chars", str(opts.max_prompt_chars),
+            "--think-time", str(opts.think_time_s), "--temperature", str(opts.temperature),
+            "--workload-seed", str(opts.seed)]
+
+
+def _env() -> dict[str, str]:
+    # the Locust file imports ``loadtest``: importable even from a source tree not installed
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+
+
+def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int) -> tuple[dict, list]:
+    """Start a server, warm it up, run Locust; returns (summary row, request records)."""
+    run_dir = opts.out_dir / "runs" / f"{config}-c{users}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("requests.jsonl", "window.json"):
+        (run_dir / stale).unlink(missing_ok=True)
+    try:
+        with ManagedServer([*CONFIGS[config], *opts.server_args], run_dir / "server.log",
+                           server_cmd=opts.server_cmd,
+                           startup_timeout_s=opts.startup_timeout_s) as server:
+            server.warm_up(max(2, users))
+            with open(run_dir / "locust.log", "w", encoding="utf-8") as log:
+                locust = subprocess.run(
+                    locust_command(opts, server.url, users, run_time_s, run_dir), env=_env(),
+                    stdout=log, stderr=subprocess.STDOUT, timeout=run_time_s + 120)
+    except ServerError as exc:
+        print(f"  server failed: {str(exc).splitlines()[0]} (see {run_dir}/server.log)",
+              file=sys.stderr)
+        return failed_row(config, users, "server_failed"), []
+    except subprocess.TimeoutExpired:
+        return failed_row(config, users, "locust_timeout"), []
+    records = read_records(run_dir / "requests.jsonl")
+    try:
+        window = json.loads((run_dir / "window.json").read_text(encoding="utf-8"))
+        return summarize(records, window, config=config, concurrency=users), records
+    except (FileNotFoundError, ValueError):
+        # Locust exits 1 when some requests failed, which still leaves a window
+        print(f"  no measurements: Locust exit code {locust.returncode} "
+              f"(see {run_dir}/locust.log)", file=sys.stderr)
+        return failed_row(config, users, f"locust_failed_rc{locust.returncode}"), records
+
+
+def write_results(out_dir: Path, rows: list[dict], records: list[dict], meta: dict) -> None:
+    """summary.csv, summary.json (rows + sweep metadata) and requests.csv."""
+    with open(out_dir / "summary.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=SUMMARY_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "summary.json").write_text(json.dumps({"meta": meta, "runs": rows}, indent=1),
+                                          encoding="utf-8")
+    with open(out_dir / "requests.csv", "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=("config", "concurrency", *RECORD_FIELDS))
+        writer.writeheader()
+        writer.writerows(records)
+
+
+def run_sweep(opts: SweepOptions) -> list[dict]:
+    """Run every (config, concurrency) pair within the time budget; returns the summary rows
+    (also written to ``opts.out_dir``)."""
+    opts.out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "options": {k: str(v) if isinstance(v, Path) else v
+                        for k, v in dataclasses.asdict(opts).items()}}
+    plan = [(c, u) for c in opts.configs for u in opts.concurrency]
+    rows, all_records, overheads = [], [], []
+    for i, (config, users) in enumerate(plan):
+        left = opts.time_budget_s - PLOT_RESERVE_S - (time.monotonic() - start)
+        overhead = max(overheads) if overheads else OVERHEAD_GUESS_S
+        run_time = int(min(opts.run_time_s, left / (len(plan) - i) - overhead))
+        if run_time < MIN_RUN_S:
+            print(f"[{i + 1}/{len(plan)}] {config} c={users}: skipped (time budget spent)",
+                  file=sys.stderr)
+            rows.append(failed_row(config, users, "skipped_budget"))
+            continue
+        print(f"[{i + 1}/{len(plan)}] {config} c={users}: {run_time} s", file=sys.stderr)
+        t0 = time.monotonic()
+        row, records = run_one(opts, config, users, run_time)
+        overheads.append(max(0.0, time.monotonic() - t0 - run_time))
+        rows.append(row)
+        all_records += [{"config": config, "concurrency": users, **r} for r in records]
+        write_results(opts.out_dir, rows, all_records, meta)
+        if row["status"] == "ok":
+            print(f"  {row['requests_ok']} ok / {row['requests_failed']} failed, "
+                  f"{row['aggregate_tok_s']:.1f} tok/s aggregate, "
+                  f"{row['median_tok_s_user'] or 0:.1f} tok/s/user median", file=sys.stderr)
+    meta["elapsed_s"] = time.monotonic() - start
+    write_results(opts.out_dir, rows, all_records, meta)
+    return rows
