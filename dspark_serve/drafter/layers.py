@@ -57,7 +57,8 @@ class DraftAttention(nn.Module):
 
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
-        d, hq, hkv, dh = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        d, dh = cfg.hidden_size, cfg.head_dim
+        hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, dh
         self.q_proj = nn.Linear(d, hq * dh, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(d, hkv * dh, bias=cfg.attention_bias)

@@ -162,7 +162,10 @@ class DSparkDrafter(nn.Module):
                        anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
                        tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq 4 logits [R, gamma, V] float32 and confidence logits [R, gamma] float32 of
-        given draft tokens [R, gamma] int64, in one backbone pass (differentiable)."""
+        given draft tokens [R, gamma] int64, in one backbone pass. Gradients reach the block
+        path and the heads but not the cached context K/V (``extend_context`` runs without
+        grad); training passes its own context to ``DFlashBackbone.forward`` built with
+        ``DFlashBackbone.context_kv`` and then calls ``block_sampler.teacher_forced``."""
         hidden, base_logits = self.block_forward(cache, slots, anchor_tokens, anchor_positions)
         return teacher_forced(base_logits, hidden, anchor_tokens, tokens, self.markov_head,
                               self.confidence_head)

@@ -116,7 +116,8 @@ def reference_block_hidden(drafter: DSparkDrafter, taps: torch.Tensor, anchor: i
     cfg = drafter.config
     w = {k: v.double() for k, v in drafter.state_dict().items()}
     embed, _ = drafter.shared_modules
-    eps, hq, hkv, dh = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    eps, dh = cfg.rms_norm_eps, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     ctx_len, blk = taps.shape[0], cfg.block_size
     h_ctx = _rms(taps.double() @ w["backbone.fc.weight"].T, w["backbone.hidden_norm.weight"], eps)
     ids = torch.tensor([anchor] + [cfg.mask_token_id] * (blk - 1))

@@ -50,7 +50,8 @@ def test_sampling_equals_teacher_forcing_of_sampled_tokens(tiny_config, tiny_dra
     for k in range(drafter.gamma):
         probs_k = warp_probs(logits[:, k], sampling)
         assert torch.equal(block.probs[:, k], probs_k)
-        assert torch.equal(block.tokens[:, k], sample_from_probs(probs_k, uniforms[:, k].contiguous()))
+        expected = sample_from_probs(probs_k, uniforms[:, k].contiguous())
+        assert torch.equal(block.tokens[:, k], expected)
     if kind == "greedy":
         assert torch.equal(block.tokens, logits.argmax(-1))
     # The draws must not all be the argmax, or "sampling" was never exercised.
@@ -65,8 +66,9 @@ def test_markov_bias_conditions_on_previous_token(tiny_config, tiny_drafter):
     tokens_a = torch.tensor([[1, 2, 3, 4, 5]] * 3)
     tokens_b = tokens_a.clone()
     tokens_b[:, 1] = 9
-    logits_a, conf_a = teacher_forced(base, hidden, ANCHORS, tokens_a, head, drafter.confidence_head)
-    logits_b, conf_b = teacher_forced(base, hidden, ANCHORS, tokens_b, head, drafter.confidence_head)
+    conf_head = drafter.confidence_head
+    logits_a, conf_a = teacher_forced(base, hidden, ANCHORS, tokens_a, head, conf_head)
+    logits_b, conf_b = teacher_forced(base, hidden, ANCHORS, tokens_b, head, conf_head)
     w1, w2 = head.markov_w1.weight, head.markov_w2.weight
     # x_0 is the anchor: position 1 gets W1[anchor] W2.
     torch.testing.assert_close(logits_a[:, 0], base[:, 0] + w1[ANCHORS] @ w2.T)
@@ -98,6 +100,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="anchor_tokens"):
         sample_block(base, hidden, anchors.int(), None, None, sampling, torch.rand(2, 3))
     with pytest.raises(ValueError, match="hidden"):
-        teacher_forced(base, hidden[:, :2], anchors, torch.zeros(2, 3, dtype=torch.long), None, None)
+        teacher_forced(base, hidden[:, :2], anchors, torch.zeros(2, 3, dtype=torch.long),
+                       None, None)
     with pytest.raises(ValueError, match="tokens"):
         teacher_forced(base, hidden, anchors, torch.zeros(2, 2, dtype=torch.long), None, None)

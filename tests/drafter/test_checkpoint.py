@@ -18,8 +18,10 @@ def _layer_shapes(cfg, bias):
               "norm.weight": (d,)}
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
-                       p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+        shapes.update({p + "self_attn.q_proj.weight": (q, d),
+                       p + "self_attn.k_proj.weight": (kv, d),
+                       p + "self_attn.v_proj.weight": (kv, d),
+                       p + "self_attn.o_proj.weight": (d, q),
                        p + "self_attn.q_norm.weight": (dh,), p + "self_attn.k_norm.weight": (dh,),
                        p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d),
                        p + "mlp.down_proj.weight": (d, ff), p + "input_layernorm.weight": (d,),
@@ -87,7 +89,8 @@ def test_loads_deepspec_folder_with_documented_names(tmp_path, deepspec_dict):
     assert "embed_tokens.weight" not in state and "backbone.embed_tokens.weight" not in state
     assert torch.equal(state["backbone.layers.1.mlp.down_proj.weight"],
                        tensors["layers.1.mlp.down_proj.weight"])
-    assert torch.equal(drafter.markov_head.markov_w2.weight, tensors["markov_head.markov_w2.weight"])
+    assert torch.equal(drafter.markov_head.markov_w2.weight,
+                       tensors["markov_head.markov_w2.weight"])
     assert torch.equal(drafter.confidence_head.proj.bias, tensors["confidence_head.proj.bias"])
     assert drafter.shared_modules == (embed, lm_head)
     assert drafter.backbone.fc.weight.dtype == torch.bfloat16
@@ -134,7 +137,8 @@ def test_include_shared_and_sharded_folders(tmp_path, tiny_config, tiny_drafter)
     keys = sorted(written)
     weight_map = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(keys)}
     for shard in set(weight_map.values()):
-        save_file({k: written[k] for k, s in weight_map.items() if s == shard}, str(sharded / shard))
+        save_file({k: written[k] for k, s in weight_map.items() if s == shard},
+                  str(sharded / shard))
     (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     (sharded / "config.json").write_text((tmp_path / "full" / "config.json").read_text())
     assert read_config(sharded) == drafter.config
@@ -161,6 +165,7 @@ def test_mismatched_folders_raise(tmp_path, tiny_config, tiny_drafter):
         with pytest.raises(ValueError, match=message):
             load_drafter(folder, *drafter.shared_modules)
     (tmp_path / "arch").mkdir()
-    (tmp_path / "arch" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "arch" / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported drafter architectures"):
         read_config(tmp_path / "arch")
