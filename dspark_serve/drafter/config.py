@@ -12,7 +12,6 @@ formats differs; see ``dspark_serve.drafter.checkpoint`` and ``label_offset`` be
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,10 +197,6 @@ class DSparkConfig:
                       mask_token_id=int(dflash["mask_token_id"]), target_layer_ids=layer_ids,
                       num_target_layers=num_target_layers)
         return cls(**values, label_offset=1, extra=cfg)
-
-    def replace(self, **changes: Any) -> "DSparkConfig":
-        """A validated copy with some fields changed."""
-        return dataclasses.replace(self, **changes)
 
 
 def default_dflash_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
