@@ -13,6 +13,7 @@ import sys
 # subcommand -> module providing add_parser()
 SUBCOMMANDS = {
     "bench": "dspark_serve.bench.cli",
+    "profile": "profiler.cli",
     "serve": "dspark_serve.server.cli",
 }
 

@@ -1,0 +1,107 @@
+"""SPS(B) of the embedded engine's target forward (``TargetModel.forward`` over a
+``KVCache``), and the few-second startup profile the engine turns into its cost table.
+
+Step layout of a probe (B batch tokens, context length C): B tokens spread as evenly as
+possible over R = min(B, n) requests, n the slots the profile holds (the engine's
+``max_num_seqs`` by default), each request's tokens at positions C, C+1, ... of its own slot
+after C cached positions filled with random keys/values. So B <= n probes look like decode
+steps of B requests and larger B like verify blocks of about B / n tokens each -- the batches
+the scheduler actually sends. Logits are computed for every token, as verification needs.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+
+from dspark_serve.scheduling.cost_table import CostTable
+from profiler.sps import StepFn, batch_grid, cost_table_from_profile, profile_sps
+
+KV_FILL_STD = 0.5  # random cached keys/values: real data, never the OS's shared zero page
+
+
+@contextlib.contextmanager
+def target_step(model, cache, *, max_requests: int | None = None,
+                seed: int = 0) -> Iterator[StepFn]:
+    """A ``step(B, C)`` running ``model.forward`` on the probe layout above, holding
+    ``min(max_requests, free slots)`` slots of ``cache`` (returned on exit).
+
+    Args:
+        model: ``dspark_serve.engine.target_model.TargetModel`` (or anything with its
+            ``forward(input_ids, slots, positions, cache, logit_indices)`` and ``weights``).
+        cache: its ``KVCache`` (e.g. the engine's own, while no request runs).
+        max_requests: most requests per probe; None = all free slots.
+    Raises:
+        ValueError: no free slot, or (from ``step``) C + tokens per request > cache.max_len.
+    """
+    n = cache.num_free_slots if max_requests is None else min(max_requests,
+                                                               cache.num_free_slots)
+    if n < 1:
+        raise ValueError("the KV cache has no free slot to profile with")
+    slots = [cache.allocate() for _ in range(n)]
+    device = cache.k.device
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    vocab = model.weights.vocab_size
+    filled = 0
+    slot_ids = torch.tensor(slots, dtype=torch.int64, device=device)
+
+    def step(batch_tokens: int, context_len: int) -> Any:
+        nonlocal filled
+        r = min(batch_tokens, n)
+        per = [batch_tokens // r + (i < batch_tokens % r) for i in range(r)]
+        if context_len + per[0] > cache.max_len:
+            raise ValueError(f"context {context_len} + {per[0]} tokens per request exceeds the "
+                             f"cache's max_len {cache.max_len}")
+        if context_len > filled:
+            for kv in (cache.k, cache.v):
+                for s in slots:  # basic indexing: a view, so normal_ writes the cache
+                    kv[:, s, :, filled:context_len].normal_(0.0, KV_FILL_STD)
+            filled = context_len
+        counts = torch.tensor(per, dtype=torch.int64)
+        tok_slots = slot_ids[:r].repeat_interleave(counts.to(device))
+        starts = torch.cumsum(counts, 0) - counts
+        offsets = torch.arange(batch_tokens) - starts.repeat_interleave(counts)
+        positions = (context_len + offsets).to(device)
+        ids = torch.randint(vocab, (batch_tokens,), generator=gen).to(device)
+        return model.forward(ids, tok_slots, positions, cache, None)
+
+    try:
+        yield step
+    finally:
+        for s in slots:
+            cache.free(s)
+
+
+def device_sync(device: torch.device):
+    """What to call after a step so its time includes the device's queued work."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else None
+
+
+def profile_cost_table(model, cache, *, max_batch_tokens: int, context_len: int = 256,
+                       time_budget_s: float = 5.0, per_octave: int = 2, warmup: int = 1,
+                       repeats: int = 3, max_requests: int | None = None,
+                       meta: dict[str, Any] | None = None, progress: bool = False) -> CostTable:
+    """The engine's startup profile (paper Section 3.2.2): SPS(B) at one context length on a
+    coarse grid (``batch_grid(max_batch_tokens, per_octave)``), B ascending until
+    ``time_budget_s`` seconds are spent; the table keeps ``max_batch_tokens`` as its limit and
+    extrapolates conservatively past the last probe measured.
+
+    ``model`` / ``cache`` / ``max_requests`` as in ``target_step``; the cache must have
+    room for ``context_len + ceil(max_batch_tokens / requests)`` positions per slot (the
+    grid is cut where a probe would not fit). Raises ValueError when not even B = 1 fits.
+    """
+    n = cache.num_free_slots if max_requests is None else min(max_requests,
+                                                               cache.num_free_slots)
+    grid = [b for b in batch_grid(max_batch_tokens, per_octave)
+            if context_len + math.ceil(b / max(n, 1)) <= cache.max_len]
+    if not grid:
+        raise ValueError(f"context_len {context_len} leaves no room in the cache's max_len "
+                         f"{cache.max_len}")
+    with target_step(model, cache, max_requests=max_requests) as step:
+        profile = profile_sps(step, grid, [context_len], warmup=warmup, repeats=repeats,
+                              sync=device_sync(cache.k.device), time_budget_s=time_budget_s,
+                              progress=progress)
+    table_meta = {"requests": n, **(meta or {})}
+    return cost_table_from_profile(profile, max_batch_tokens=max_batch_tokens, meta=table_meta)
