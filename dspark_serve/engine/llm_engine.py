@@ -1,0 +1,335 @@
+"""The embedded engine: continuous batching with DSpark speculative decoding.
+
+One ``step()`` = schedule, run, commit:
+
+1. admit waiting requests into free KV slots; pick prefill chunks (at most ``prefill_chunk``
+   prompt tokens per step) and the decoding requests;
+2. draft a block for every decoding request and schedule its verify length l_r
+   (``Speculator``), then run ONE target forward over the flattened tokens of all requests
+   (prefill chunks + anchor and l_r drafts per decoding request);
+3. build the target distribution at every verified position (penalties with the drafted
+   history, logit bias, warping), verify by rejection sampling (``verify.rejection``), and
+   commit token by token with stop strings, stop tokens, EOS and max_tokens checked after
+   each token; the anchor and accepted drafts enter the drafter's context.
+
+Plain decoding (``speculative="none"``) is the same step with l_r = 0 and no drafter.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from dspark_serve.engine.batch import StepPlan, plan_step
+from dspark_serve.engine.commit import commit_tokens
+from dspark_serve.engine.config import EngineConfig
+from dspark_serve.engine.detokenizer import IncrementalDetokenizer
+from dspark_serve.engine.outputs import RequestFailed, RequestOutput, StepStats
+from dspark_serve.engine.params import SamplingParams
+from dspark_serve.engine.penalties import apply_penalties, block_history_counts
+from dspark_serve.engine.request import Request
+from dspark_serve.engine.sampling_state import penalty_state, replay_seeded, sampling_tensors
+from dspark_serve.engine.speculator import Speculator
+from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.sampling.sampler import draw_uniforms
+from dspark_serve.sampling.warping import warp_probs
+from dspark_serve.types import SamplingTensors
+from dspark_serve.verify.rejection import rejection_sample
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Single-threaded engine; see the module docstring for the step.
+
+    Attributes:
+        tokenizer: the target's Hugging Face tokenizer (with its chat template).
+        model_name: served model name. max_model_len: context limit in tokens.
+        vocab_size: V. gamma: draft tokens per round (0 without speculation).
+    Raises:
+        ValueError: an inconsistent configuration (drafter does not fit the target, gamma
+            larger than the drafter's block, bad calibration or cost table).
+    """
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoConfig, AutoTokenizer
+
+        from dspark_serve.models.default_drafter import build_drafter, drafter_source
+        from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+
+        self.config = config
+        path = config.model or default_model_path()
+        self.model_name = Path(path).name if config.model else MODEL_NAME
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path)
+        self.eos_ids = _eos_ids(self.tokenizer, hf_config)
+        self.max_model_len = min(config.max_model_len,
+                                 getattr(hf_config, "max_position_embeddings", None) or 1 << 30)
+        draft_path = draft_config = None
+        if config.speculative != "none":
+            mask_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+            draft_path, draft_config = drafter_source(hf_config, config.speculative,
+                                                      self.model_name, mask_id, config.draft)
+        taps = draft_config.target_layer_ids if draft_config else ()
+        self.target = TargetModel.from_pretrained(path, dtype=config.dtype, target_layer_ids=taps)
+        self.device = self.target.device
+        self.vocab_size = int(hf_config.vocab_size)
+        self.kv = self.target.new_kv_cache(config.max_num_seqs, self.max_model_len)
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.speculator: Speculator | None = None
+        self.gamma = 0
+        if draft_config is not None:
+            drafter = build_drafter(self.target, draft_path, draft_config, seed=config.seed)
+            self.gamma = config.gamma or drafter.gamma
+            scheduler = "static" if config.speculative == "dflash" else config.scheduler
+            self.speculator = Speculator(
+                drafter, gamma=self.gamma, scheduler=scheduler,
+                cost_table=self._cost_table(scheduler), temperatures=self._sts(draft_path),
+                threshold=config.threshold, max_batch_tokens=config.max_batch_tokens,
+                num_slots=config.max_num_seqs, max_len=self.max_model_len)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._step_stats: list[StepStats] = []
+
+    # ---- public API (see dspark_serve.server.async_engine) ---------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        """Queue a request. Raises ValueError for an empty or too long prompt, token ids
+        outside the vocabulary, a duplicate id or invalid parameters."""
+        params.validate(self.vocab_size)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt_token_ids) + 1 > self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the context limit "
+                             f"is {self.max_model_len} including at least one completion token")
+        if any(r.request_id == request_id for r in self.waiting + self.running):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed & (2**63 - 1))
+        self.waiting.append(Request(request_id, list(prompt_token_ids), params,
+                                    IncrementalDetokenizer(self.tokenizer, params.stop), generator))
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its KV slot now; unknown or finished ids are ignored."""
+        self.waiting = [r for r in self.waiting if r.request_id != request_id]
+        for r in [r for r in self.running if r.request_id == request_id]:
+            self._release(r)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_free_tokens(self) -> int:
+        """Token positions in free KV slots."""
+        return self.kv.free_tokens
+
+    def pop_step_stats(self) -> list[StepStats]:
+        """Statistics of the steps since the last call."""
+        stats, self._step_stats = self._step_stats, []
+        return stats
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step over all running requests; returns their output deltas.
+
+        Raises:
+            RequestFailed: committing one request failed; it was dropped, the outputs of the
+                others are attached.
+        """
+        start = time.perf_counter()
+        self._admit()
+        if not self.running:
+            return []
+        plan = plan_step(self.running, self.config.prefill_chunk)
+        stats = StepStats(num_running=len(self.running), num_waiting=len(self.waiting))
+        if plan.decode and self.speculator is not None:
+            self._propose(plan)
+        d = self.device
+        ids, slots, pos, starts = plan.flat_tokens()
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=d)
+        out = self.target.forward(as_tensor(ids), as_tensor(slots), as_tensor(pos), self.kv,
+                                  as_tensor(plan.logit_indices(starts)))
+        reqs = plan.verify_requests
+        lengths = plan.verify_lengths()
+        result = self._verify(plan, reqs, lengths, out.logits) if reqs else None
+        logit_start = (torch.cumsum(lengths + 1, 0) - (lengths + 1)).tolist()
+        outputs, failure = [], None
+        context = _ContextUpdates()
+        for i, req in enumerate(reqs):
+            try:
+                n_acc = int(result.num_accepted[i])
+                tokens = result.tokens[i, :n_acc + 1].tolist()
+                rows = (out.logits[logit_start[i]:logit_start[i] + len(tokens)]
+                        if req.params.logprobs else None)
+                stats.generated_tokens += commit_tokens(req, tokens, rows, self.eos_ids,
+                                                        self.max_model_len)
+                if i < len(plan.decode):
+                    self._record_round(stats, req, int(lengths[i]), n_acc)
+                    if not req.finished:  # anchor + accepted drafts now have target K/V
+                        context.add(starts[i], req.slot, req.num_tokens - n_acc - 2, n_acc + 1)
+                        req.num_computed = req.num_tokens - 1
+                outputs.append(self._output(req))
+            except Exception as exc:  # one bad request must not take the others down
+                logger.exception("request %s failed", req.request_id)
+                self._release(req)
+                failure = failure or RequestFailed(req.request_id, f"internal error: {exc}")
+        for k, (req, n) in enumerate(plan.prefill):
+            if req.slot >= 0 and not req.finished:
+                context.add(starts[len(plan.decode) + k], req.slot, req.num_computed, n)
+                req.num_computed += n
+        if self.speculator is not None:
+            self.speculator.extend(*context.tensors(out.taps, d))
+        for req in [r for r in reqs if r.finished]:
+            self._release(req)
+        stats.step_seconds = time.perf_counter() - start
+        self._step_stats.append(stats)
+        if failure is not None:
+            failure.outputs = outputs
+            raise failure
+        return outputs
+
+    # ---- step phases ----------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while self.waiting and self.kv.num_free_slots:
+            req = self.waiting.pop(0)
+            req.slot = self.kv.allocate()
+            if self.speculator is not None:
+                self.speculator.reset_slot(req.slot)
+            self.running.append(req)
+
+    def _propose(self, plan: StepPlan) -> None:
+        """Draft and schedule the decoding requests (fills plan.block / plan.lengths)."""
+        reqs, d = plan.decode, self.device
+        caps = torch.tensor([max(0, min(self.gamma, r.params.max_tokens - len(r.output_ids) - 1,
+                                        self.max_model_len - r.num_tokens - 1)) for r in reqs],
+                            dtype=torch.int64, device=d)
+        gens = [r.generator or self.generator for r in reqs]
+        plan.block, lengths = self.speculator.propose(
+            torch.tensor([r.slot for r in reqs], device=d),
+            torch.tensor([r.anchor for r in reqs], device=d),
+            torch.tensor([r.num_tokens - 1 for r in reqs], device=d),
+            sampling_tensors(reqs, d), draw_uniforms(gens, self.speculator.drafter.gamma, d), caps)
+        plan.lengths = lengths.cpu()
+        plan.gamma = self.gamma
+
+    def _verify(self, plan: StepPlan, reqs: list[Request], lengths: torch.Tensor,
+                logits: torch.Tensor):
+        """Target distributions at every verified position, then rejection sampling."""
+        d, g = self.device, plan.gamma
+        lengths = lengths.to(d)
+        rows = torch.repeat_interleave(torch.arange(len(reqs), device=d), lengths + 1)
+        drafts, draft_probs = plan.verify_drafts(d)
+        state = penalty_state(reqs, self.vocab_size, d)
+        if state is not None:
+            history = block_history_counts(drafts, lengths, self.vocab_size) if g else None
+            logits = apply_penalties(logits, rows, state, history)
+        probs = warp_probs(logits, _index_rows(sampling_tensors(reqs, d), rows))
+        cols = torch.arange(rows.numel(), device=d) - torch.repeat_interleave(
+            torch.cumsum(lengths + 1, 0) - (lengths + 1), lengths + 1)
+        target_probs = probs.new_zeros(len(reqs), g + 1, self.vocab_size)
+        target_probs[rows, cols] = probs
+        replay_seeded(target_probs, reqs, lengths)
+        if draft_probs is None:
+            draft_probs = probs.new_zeros(len(reqs), 0, self.vocab_size)
+        u = draw_uniforms([r.generator or self.generator for r in reqs], g + 1, d)
+        return rejection_sample(target_probs, drafts, draft_probs, lengths,
+                                u[:, :g].contiguous(), u[:, g].contiguous())
+
+    def _record_round(self, stats: StepStats, req: Request, l_r: int, n_acc: int) -> None:
+        if self.speculator is None:
+            return
+        req.record_round(self.gamma, n_acc)
+        stats.rounds += 1
+        stats.verify_tokens += l_r + 1
+        stats.drafted_tokens += self.gamma
+        stats.accepted_tokens += n_acc
+        if not stats.accepted_per_position:
+            stats.accepted_per_position = [0] * self.gamma
+            stats.verified_per_position = [0] * self.gamma
+        for k in range(l_r):
+            stats.verified_per_position[k] += 1
+            stats.accepted_per_position[k] += k < n_acc
+
+    def _output(self, req: Request) -> RequestOutput:
+        new_ids = req.output_ids[req.emitted_tokens:]
+        req.emitted_tokens = len(req.output_ids)
+        logprobs = top = None
+        if req.params.logprobs:
+            logprobs = req.logprobs[req.emitted_logprobs:]
+            top = req.top_logprobs[req.emitted_logprobs:]
+            req.emitted_logprobs = len(req.logprobs)
+        return RequestOutput(req.request_id, new_ids, req.detokenizer.pop_delta(req.finished),
+                             logprobs, top, req.finished, req.finish_reason,
+                             len(req.prompt_ids), len(req.output_ids), req.stats)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.free(req.slot)
+            req.slot = -1
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _cost_table(self, scheduler: str):
+        from dspark_serve.scheduling import NEEDS_COST_TABLE
+        from dspark_serve.scheduling.cost_table import CostTable
+
+        if self.config.cost_table:
+            return CostTable.load(self.config.cost_table)
+        if scheduler not in NEEDS_COST_TABLE:
+            return None
+        from profiler import profile_cost_table
+
+        max_b = self.config.max_batch_tokens or self.config.max_num_seqs * (
+            (self.config.gamma or 16) + 1)
+        logger.info("profiling SPS(B) up to B=%d on this machine (--cost-table skips this)", max_b)
+        return profile_cost_table(self.target, self.kv, max_batch_tokens=max_b,
+                                  context_len=min(256, self.max_model_len // 2),
+                                  meta={"model": self.model_name})
+
+    def _sts(self, draft_path: str | None):
+        from dspark_serve.calibration.io import load_sts_calibration
+
+        path = self.config.calibration
+        if path is None and draft_path is not None:
+            shipped = Path(draft_path) / "sts_calibration.json"
+            path = str(shipped) if shipped.is_file() else None
+        if path is None:
+            return None
+        return load_sts_calibration(path).temperatures_for(self.gamma, self.device)
+
+
+def _eos_ids(tokenizer, hf_config) -> set[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(hf_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return {int(i) for i in ids if i is not None}
+
+
+def _index_rows(s: SamplingTensors, rows: torch.Tensor) -> SamplingTensors:
+    return SamplingTensors(s.temperature[rows], s.top_k[rows], s.top_p[rows], s.min_p[rows])
+
+
+class _ContextUpdates:
+    """Flat token indices whose target taps go into the drafter's context, with their
+    (slot, position)."""
+
+    def __init__(self):
+        self.idx: list[int] = []
+        self.slots: list[int] = []
+        self.pos: list[int] = []
+
+    def add(self, flat_start: int, slot: int, position: int, count: int) -> None:
+        self.idx += range(flat_start, flat_start + count)
+        self.slots += [slot] * count
+        self.pos += range(position, position + count)
+
+    def tensors(self, taps: torch.Tensor, device: torch.device):
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+        return as_tensor(self.slots), as_tensor(self.pos), taps.index_select(0, as_tensor(self.idx))

@@ -1,0 +1,66 @@
+"""Per-request state of the embedded engine.
+
+A request's tokens are ``prompt_ids + output_ids``. The target K/V cache holds the first
+``num_computed`` of them. While decoding, exactly one token lacks K/V: the last output token,
+which is the anchor of the next verify round (its target forward happens together with the
+drafts that follow it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark_serve.engine.detokenizer import IncrementalDetokenizer
+from dspark_serve.engine.outputs import SpecStats
+from dspark_serve.engine.params import SamplingParams
+
+
+@dataclass(eq=False)
+class Request:
+    """One engine request (one completion choice)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    slot: int = -1                  # KV slot while running, -1 while waiting
+    num_computed: int = 0           # tokens with target K/V (and drafter context)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    finish_reason: str | None = None
+    emitted_tokens: int = 0         # output tokens already returned in a RequestOutput
+    emitted_logprobs: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """True until every prompt token has target K/V."""
+        return self.num_computed < len(self.prompt_ids)
+
+    @property
+    def anchor(self) -> int:
+        """The token the next verify round starts from (the last committed token)."""
+        return self.output_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[position] if position < n else self.output_ids[position - n]
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        """Update tau = tokens committed per verify round (accepted drafts + one target token)."""
+        s = self.stats
+        s.verify_rounds += 1
+        s.drafted_tokens += drafted
+        s.accepted_tokens += accepted
+        s.accepted_length = (s.accepted_tokens + s.verify_rounds) / s.verify_rounds

@@ -1,0 +1,87 @@
+"""Drafting, calibration and verify-length scheduling for the decoding requests of one step
+(paper Eq 2-7, STS, Algorithm 1 / Section 5.2).
+
+The speculator owns the drafter's context cache (one slot per target KV slot) and the
+scheduler. Each step: draft a block per decoding request, turn confidence logits into
+calibrated conditional survival c_{r,k} = sigmoid(z_{r,k} / T_k), and let the scheduler pick
+l_r. Per-request caps (remaining max_tokens, the context limit) are applied by zeroing the
+survival of slots past the cap before scheduling and clamping after it; both depend only on
+the request's state, never on its drafted tokens, so verification stays lossless.
+"""
+from __future__ import annotations
+
+import torch
+
+from dspark_serve.calibration.sts import calibrated_confidence
+from dspark_serve.drafter.model import DSparkDrafter
+from dspark_serve.scheduling import make_scheduler
+from dspark_serve.scheduling.cost_table import CostTable
+from dspark_serve.types import DraftBlock, SamplingTensors
+
+
+class Speculator:
+    """Drafter + calibration + scheduler.
+
+    Args:
+        drafter: the drafter (its block gives up to ``drafter.gamma`` draft tokens).
+        gamma: draft tokens used per round, 1..drafter.gamma.
+        scheduler: scheduler name (``dspark_serve.scheduling.SCHEDULER_NAMES``).
+        cost_table: SPS cost table (algorithm1 / async).
+        temperatures: [gamma] float32 STS temperatures, or None (T = 1).
+        threshold: cut-off of the threshold scheduler.
+        max_batch_tokens: cap on the verify batch B (None = none).
+        num_slots, max_len: size of the drafter's context cache.
+    Raises:
+        ValueError: gamma out of range, temperatures of the wrong length, scheduler errors.
+    """
+
+    def __init__(self, drafter: DSparkDrafter, *, gamma: int, scheduler: str,
+                 cost_table: CostTable | None, temperatures: torch.Tensor | None,
+                 threshold: float, max_batch_tokens: int | None, num_slots: int, max_len: int):
+        if not 1 <= gamma <= drafter.gamma:
+            raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block), got {gamma}")
+        if temperatures is not None and temperatures.shape != (gamma,):
+            raise ValueError(f"STS calibration has {temperatures.numel()} temperatures, gamma is "
+                             f"{gamma}")
+        self.drafter = drafter
+        self.gamma = gamma
+        self.has_confidence = drafter.confidence_head is not None
+        self.temperatures = temperatures
+        self.scheduler = make_scheduler(scheduler, gamma=gamma, cost_table=cost_table,
+                                        threshold=threshold, max_batch_tokens=max_batch_tokens)
+        self.cache = drafter.new_cache(num_slots, max_len)
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a slot's context (a new request takes it)."""
+        self.cache.reset(torch.tensor([slot], device=self.cache.lengths.device))
+
+    def extend(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
+        """Add committed tokens' target taps ([N] slots, [N] positions, [N, C]) to the context."""
+        if slots.numel():
+            self.drafter.extend_context(self.cache, slots, positions, taps)
+
+    def propose(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
+                sampling: SamplingTensors, uniforms: torch.Tensor,
+                caps: torch.Tensor) -> tuple[DraftBlock, torch.Tensor]:
+        """Draft and schedule one round for R requests.
+
+        Args:
+            slots, anchors, anchor_positions: [R] int64.
+            sampling: R rows of warping parameters (same as the verifier's).
+            uniforms: [R, drafter.gamma] float32 draft uniforms.
+            caps: [R] int64 most draft tokens each request may verify (0..gamma).
+        Returns:
+            (block truncated to gamma, lengths [R] int64 l_r in 0..caps[r]).
+        """
+        block = self.drafter.draft(self.cache, slots, anchors, anchor_positions, sampling, uniforms)
+        g = self.gamma
+        block = DraftBlock(block.tokens[:, :g], block.probs[:, :g], block.conf_logits[:, :g])
+        if self.has_confidence:
+            temps = (self.temperatures if self.temperatures is not None
+                     else torch.ones(g, device=block.conf_logits.device))
+            confidence = calibrated_confidence(block.conf_logits, temps)
+        else:
+            confidence = torch.ones_like(block.conf_logits)
+        allowed = torch.arange(g, device=caps.device)[None, :] < caps[:, None]
+        lengths = self.scheduler(confidence * allowed)
+        return block, torch.minimum(lengths, caps)

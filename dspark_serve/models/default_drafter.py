@@ -1,0 +1,109 @@
+"""Drafters for a target when ``--draft`` is not given.
+
+A trained drafter shipped for the target (``dspark_serve/models/drafters/<target>/<kind>``,
+DeepSpec format, issue 4) is used when present. Otherwise the engine builds an untrained
+drafter of the default shape, seeded so every start is identical: it runs the whole DSpark
+pipeline but accepts almost nothing, which keeps outputs exact (verification is lossless)
+and only costs speed. A warning says so.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dspark_serve.drafter.checkpoint import load_drafter, read_config
+from dspark_serve.drafter.config import DSparkConfig
+from dspark_serve.drafter.model import DSparkDrafter
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_DIR = Path(__file__).parent / "drafters"
+KINDS = ("dspark", "dflash")
+# Default drafter shape (issue 4: trainable on a 2-core CPU, <= 40 MB in bf16).
+NUM_DRAFT_LAYERS = 2
+BLOCK_SIZE = 7
+MARKOV_RANK = 64
+NUM_TAPS = 5
+
+
+def shipped_drafter_path(model_name: str, kind: str) -> Path | None:
+    """The shipped drafter folder of ``kind`` ("dspark" | "dflash") for a target, if any."""
+    folder = SHIPPED_DIR / model_name / kind
+    return folder if (folder / "config.json").is_file() else None
+
+
+def evenly_spaced_taps(num_layers: int, num_taps: int = NUM_TAPS) -> list[int]:
+    """``num_taps`` target layers from layer 1 to the last-but-one, as DFlash spaces them."""
+    if num_layers < 3:
+        return list(range(num_layers))
+    num_taps = min(num_taps, num_layers - 1)
+    last = num_layers - 2
+    return sorted({1 + round(i * (last - 1) / max(num_taps - 1, 1)) for i in range(num_taps)})
+
+
+def default_drafter_config(target_config, kind: str, mask_token_id: int) -> DSparkConfig:
+    """The default drafter shape for a transformers target config: NUM_DRAFT_LAYERS layers at the
+    target's width; "dspark" adds a Markov head of rank MARKOV_RANK and a confidence head,
+    "dflash" is the same backbone without them (the paper's ablation baseline)."""
+    if kind not in KINDS:
+        raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+    hidden = target_config.hidden_size
+    heads = target_config.num_attention_heads
+    dspark = kind == "dspark"
+    return DSparkConfig(
+        hidden_size=hidden, num_hidden_layers=NUM_DRAFT_LAYERS, num_attention_heads=heads,
+        num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+        intermediate_size=target_config.intermediate_size, vocab_size=target_config.vocab_size,
+        block_size=BLOCK_SIZE, mask_token_id=mask_token_id,
+        target_layer_ids=evenly_spaced_taps(target_config.num_hidden_layers),
+        num_target_layers=target_config.num_hidden_layers,
+        rms_norm_eps=target_config.rms_norm_eps,
+        markov_rank=MARKOV_RANK if dspark else 0, enable_confidence_head=dspark,
+        confidence_head_with_markov=dspark)
+
+
+def drafter_source(target_config, kind: str, model_name: str, mask_token_id: int,
+                   path: str | None = None) -> tuple[str | None, DSparkConfig]:
+    """Where the engine's drafter comes from and its config (read before the target loads,
+    because the config names the target layers to tap): ``path`` if given, else the shipped
+    drafter for ``model_name``, else (None, the untrained default shape).
+
+    Raises:
+        ValueError: a checkpoint config that does not fit the target (vocabulary, hidden size,
+            number of target layers).
+    """
+    path = path or shipped_drafter_path(model_name, kind)
+    config = (read_config(path) if path is not None
+              else default_drafter_config(target_config, kind, mask_token_id))
+    if (config.vocab_size, config.hidden_size) != (target_config.vocab_size, target_config.hidden_size):
+        raise ValueError(f"drafter (vocab {config.vocab_size}, hidden {config.hidden_size}) does "
+                         f"not fit the target (vocab {target_config.vocab_size}, hidden "
+                         f"{target_config.hidden_size})")
+    if config.num_target_layers != target_config.num_hidden_layers:
+        raise ValueError(f"drafter was trained on a {config.num_target_layers}-layer target; "
+                         f"this target has {target_config.num_hidden_layers} layers")
+    return (str(path) if path is not None else None), config
+
+
+def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int = 0) -> DSparkDrafter:
+    """Load the drafter at ``path`` onto the target's embedding and LM head, or build an
+    untrained one of ``config`` (seeded, with a warning) when ``path`` is None. Weights take the
+    target's dtype and device.
+
+    Args:
+        target: ``dspark_serve.engine.target_model.TargetModel``.
+    """
+    if path is not None:
+        drafter = load_drafter(path, target.embed_tokens, target.lm_head, dtype=target.dtype,
+                               device=target.device)
+    else:
+        logger.warning("no trained drafter for this target: using an untrained one (outputs "
+                       "stay exact, acceptance will be near zero)")
+        with torch.random.fork_rng():  # seeded init without touching the caller's RNG
+            torch.manual_seed(seed)
+            drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head)
+        drafter = drafter.to(device=target.device, dtype=target.dtype)
+    return drafter.eval()
