@@ -34,8 +34,9 @@ from loadtest.workload import Workload
 logger = logging.getLogger("loadtest")
 ENDPOINT = "/v1/chat/completions"
 
+# "inflight": request start times by id; "busy": request-seconds finished inside the window
 _state = {"environment": None, "workload": None, "records": None, "started": 0, "finished": 0,
-          "window": {}}
+          "window": {}, "inflight": {}, "busy": 0.0}
 _user_index = itertools.count()
 
 
@@ -97,8 +98,10 @@ def _on_test_start(environment, **_kwargs) -> None:
 @events.spawning_complete.add_listener
 def _on_spawned(**_kwargs) -> None:
     environment = _state["environment"]
-    if environment.parsed_options.window_file and "t_start" not in _state["window"]:
-        _state["window"].update(t_start=time.time(), metrics_start=prom.scrape(environment.host))
+    window = _state["window"]
+    if environment.parsed_options.window_file and "t_start" not in window:
+        window["t_start"] = time.time()  # before the scrape yields to the users' greenlets
+        window["metrics_start"] = prom.scrape(environment.host)
 
 
 @events.test_stopping.add_listener
@@ -106,7 +109,13 @@ def _on_stopping(environment, **_kwargs) -> None:
     path = environment.parsed_options.window_file
     window = _state["window"]
     if path and "t_start" in window and "t_end" not in window:
-        window.update(t_end=time.time(), metrics_end=prom.scrape(environment.host))
+        t0, t1 = window["t_start"], time.time()
+        window["t_end"] = t1
+        # Little's law over the window, requests still streaming included (computed before
+        # the scrape yields to greenlets that could finish them)
+        busy = _state["busy"] + sum(t1 - max(t, t0) for t in _state["inflight"].values())
+        window["mean_in_flight"] = busy / (t1 - t0)
+        window["metrics_end"] = prom.scrape(environment.host)
         window["metrics_delta"] = prom.delta(window["metrics_start"], window["metrics_end"])
         with open(path, "w", encoding="utf-8") as f:
             json.dump(window, f, indent=1)
@@ -144,6 +153,8 @@ class ChatUser(HttpUser):
         if opts.ignore_eos:
             body["ignore_eos"] = True
         tracker = StreamTracker(item.prompt_set, item.max_tokens, time.time())
+        key = _state["started"]
+        _state["inflight"][key] = tracker.t_start
         with self.client.post(ENDPOINT, json=body, stream=True, catch_response=True,
                               name="chat/completions") as resp:
             error = ""
@@ -162,6 +173,10 @@ class ChatUser(HttpUser):
                 resp.success()
             else:
                 resp.failure(rec.error)
+        del _state["inflight"][key]
+        t0 = _state["window"].get("t_start")
+        if t0 is not None and "t_end" not in _state["window"]:
+            _state["busy"] += rec.t_end - max(rec.t_start, t0)
         if rec.ok and rec.ttft_s is not None:
             self._metric("ttft", rec.ttft_s)
         if rec.ok and rec.tpot_s is not None:

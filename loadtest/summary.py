@@ -46,8 +46,10 @@ def summarize(records: list[dict], window: dict, *, config: str, concurrency: in
         aggregate = sum(r["completion_tokens"] for r in ok if t0 <= r["t_end"] <= t1) / duration
     speeds = [r["tok_s_user"] for r in ok if r.get("tok_s_user")]
     ttfts = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
-    # Little's law: mean requests in flight = overlap of request lifetimes with the window / T
+    # Little's law: mean requests in flight = overlap of request lifetimes with the window / T;
+    # the Locust file's own count also covers requests cut off when the window closed
     busy = sum(max(0.0, min(r["t_end"], t1) - max(r["t_start"], t0)) for r in records)
+    in_flight = window.get("mean_in_flight", busy / duration)
     rounds = sum(r.get("verify_rounds") or 0 for r in ok)
     tau = (sum((r.get("accepted_tokens") or 0) + (r.get("verify_rounds") or 0) for r in ok)
            / rounds if rounds else None)
@@ -64,7 +66,7 @@ def summarize(records: list[dict], window: dict, *, config: str, concurrency: in
         "median_e2e_s": _quantile([r["e2e_s"] for r in ok], 0.5),
         "mean_completion_tokens": (statistics.fmean(r["completion_tokens"] for r in ok)
                                    if ok else None),
-        "mean_concurrency": busy / duration, "accepted_length": tau,
+        "mean_concurrency": in_flight, "accepted_length": tau,
         "verify_budget_per_request": budget,
     }
 

@@ -39,6 +39,11 @@ def test_headless_run_records_requests(tmp_path, fake_server_cmd):
     assert all(abs(r["tok_s_user"] * r["tpot_s"] - 1) < 1e-9 for r in timed)
     window = json.loads((tmp_path / "window.json").read_text())
     assert window["t_end"] > window["t_start"]
+    t0, t1 = window["t_start"], window["t_end"]
+    finished = sum(max(0.0, min(r["t_end"], t1) - max(r["t_start"], t0)) for r in records)
+    # Little's law over the window: at least the finished requests' share, at most 4 users
+    assert 1.0 < finished / (t1 - t0) <= window["mean_in_flight"] + 1e-9
+    assert window["mean_in_flight"] <= 4.0
     delta = window["metrics_delta"]
     assert delta["generated_tokens"] > 0 and delta["verify_rounds"] > 0
     assert delta["verify_tokens"] == 5 * delta["verify_rounds"]  # fake: gamma + 1 per round

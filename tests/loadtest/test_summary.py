@@ -41,6 +41,11 @@ def test_with_server_metrics():
     assert row["status"] == "ok"
 
 
+def test_locust_in_flight_count_wins():
+    window = {"t_start": 10.0, "t_end": 20.0, "mean_in_flight": 3.25}
+    assert summarize(RECORDS, window, config="x", concurrency=4)["mean_concurrency"] == 3.25
+
+
 def test_client_side_fallback():
     # no /metrics: tokens of successful requests ending inside the window (t_end 19 is out)
     row = summarize(RECORDS, {"t_start": 10.0, "t_end": 16.0}, config="x", concurrency=1)
