@@ -1,0 +1,53 @@
+"""A linear layer whose weight is prepacked for oneDNN when that is faster: bfloat16 on CPU.
+
+Measured on this project's CPU (2 cores, AVX512-BF16/AMX, SmolLM2-135M shapes, one thread,
+CPU time): all 120 layer projections of one decode token take 43 ms with float32
+``F.linear``, 37 ms with bfloat16 ``F.linear`` (its small-batch path is slow) and 22 ms with
+the weight reordered once into oneDNN's blocked layout (``torch.ops.mkldnn``, the path
+TorchInductor's CPU freezing uses); at 64 tokens 204 ms / 65 ms / 32 ms. The packed path
+rounds like ``F.linear`` in bfloat16. Float32 stays on ``F.linear``: it is the exactness
+reference, and packing does not help it at one token.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _can_pack(weight: torch.Tensor) -> bool:
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise")
+            and bool(mkldnn._is_mkldnn_bf16_supported()))
+
+
+class Linear:
+    """``y = x @ weight.T + bias`` for x [T, in] -> [T, out] in the weight's dtype.
+
+    Args:
+        weight: [out, in]; bias: [out] or None.
+        pack: allow the oneDNN prepacked layout (used only where ``_can_pack``). A packed
+            layer keeps no plain copy of its weight (``weight`` is then None).
+    """
+
+    __slots__ = ("weight", "bias", "_packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
+        self.bias = bias
+        self._packed = None
+        self.weight = weight
+        if pack and _can_pack(weight):
+            # The batch-size argument is only a layout hint; any number of rows works.
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+            self.weight = None
+
+    @property
+    def packed(self) -> bool:
+        return self._packed is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)

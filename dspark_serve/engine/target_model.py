@@ -1,0 +1,185 @@
+"""The target model's forward over one step's flattened tokens (Llama / Qwen2 / Qwen3 families).
+
+transformers loads the weights, config and tokenizer; the forward is our own and lean: the
+step's T tokens of all requests (prefill chunks, decode tokens, verify blocks, in any mix) go
+through every layer as one [T, hidden] batch with no padding, attention reads each token's
+own KV cache slot (``varlen_attention``), and the LM head runs only on the rows whose logits
+are requested. Python work per step is a fixed number of tensor calls per layer, independent
+of the number of requests; the per-step bookkeeping (attention layout, RoPE angles, cache
+rows) is done once for all layers.
+
+Usage (the engine's contract):
+
+    model = TargetModel.from_pretrained(path, dtype="bfloat16", target_layer_ids=[1, 14, 27])
+    cache = model.new_kv_cache(num_slots=16, max_len=2048)
+    slot = cache.allocate()
+    out = model.forward(input_ids, slots, positions, cache, logit_indices)
+    out.logits   # [N, V] float32, rows of logit_indices
+    out.taps     # [T, len(target_layer_ids) * hidden] model dtype, for the drafter
+    cache.free(slot)
+
+Every position 0..p-1 of a token's slot must hold that request's committed tokens when a
+token at position p is run (earlier in the same step counts). Hidden tap convention (what a
+DeepSpec / DFlash drafter was trained on): tap l >= 0 is the output of decoder layer l
+(0-based), before the final norm -- DeepSpec ``deepspec/modeling/target_extract.py`` hooks
+``layers[l]`` (and ``embed_tokens`` for l = -1); z-lab DFlash ``extract_context_feature`` reads
+transformers' ``hidden_states[l + 1]``, the same tensor for l < num_layers - 1 (transformers
+replaces the last entry by the final-normed state). Tap -1 is the embedding output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_serve.engine.attention import plan_varlen, varlen_attention
+from dspark_serve.engine.kv_cache import KVCache
+from dspark_serve.engine.target_weights import TargetWeights, load_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class TargetOutput:
+    """Result of one step.
+
+    logits: [N, V] float32, the next-token logits of the tokens at ``logit_indices``.
+    taps:   [T, n_taps * hidden] in the model dtype, the hidden taps of every token
+            (concatenated in ``target_layer_ids`` order); [T, 0] without taps.
+    """
+
+    logits: torch.Tensor
+    taps: torch.Tensor
+
+
+class TargetModel:
+    """The target's weights plus our flat-token forward.
+
+    Attributes:
+        config: the transformers config.
+        weights: ``TargetWeights`` (fused QKV and gate/up projections).
+        target_layer_ids: layers whose outputs ``forward`` returns as taps (-1 = embedding).
+        embed_tokens: int64 [...] -> [..., hidden] (shared with the drafter).
+        lm_head: [..., hidden] -> [..., V] with a ``weight`` (shared with the drafter).
+    """
+
+    def __init__(self, weights: TargetWeights, config, target_layer_ids: Sequence[int] = ()):
+        self.config = config
+        self.weights = weights
+        self.target_layer_ids = [int(i) for i in target_layer_ids]
+        n = weights.num_layers
+        bad = [i for i in self.target_layer_ids if not -1 <= i < n]
+        if bad:
+            raise ValueError(f"target_layer_ids must be in [-1, {n - 1}], got {bad}")
+        self.embed_tokens = nn.Embedding.from_pretrained(weights.embed, freeze=True)
+        self.lm_head = nn.Linear(weights.hidden_size, weights.vocab_size, bias=False,
+                                 device="meta")
+        self.lm_head.weight = nn.Parameter(weights.lm_head, requires_grad=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "float32",
+                        device: str | torch.device = "cpu",
+                        target_layer_ids: Sequence[int] = ()) -> "TargetModel":
+        """Load an HF folder of the Llama / Qwen2 / Qwen3 family.
+
+        Raises:
+            ValueError: unsupported architecture or features (sliding windows, a RoPE type
+                whose frequencies depend on the sequence length), unknown dtype.
+        """
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        if torch_dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        return cls.from_hf(hf, device=device, target_layer_ids=target_layer_ids)
+
+    @classmethod
+    def from_hf(cls, hf_model, *, device: str | torch.device | None = None,
+                target_layer_ids: Sequence[int] = ()) -> "TargetModel":
+        """Take the weights of a loaded transformers causal LM (in its dtype); the HF module
+        itself is not kept."""
+        return cls(load_weights(hf_model, device), hf_model.config, target_layer_ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
+        """An empty cache of ``num_slots`` request slots of ``max_len`` positions each."""
+        w = self.weights
+        return KVCache(w.num_layers, num_slots, max_len, w.num_kv_heads, w.head_dim,
+                       self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                cache: KVCache, logit_indices: torch.Tensor | None = None) -> TargetOutput:
+        """Run one step over T flattened tokens, writing their keys/values to the cache.
+
+        Args:
+            input_ids, slots, positions: [T] int64 (T >= 1) token ids, KV cache slots
+                (allocated), absolute positions (< cache.max_len).
+            cache: from ``new_kv_cache``.
+            logit_indices: [N] int64 token indices (into 0..T-1) whose logits to compute;
+                None = all T tokens.
+        Returns:
+            ``TargetOutput`` (logits [N, V] float32, taps [T, n_taps * hidden]).
+        Raises:
+            ValueError: bad shapes/dtypes, unallocated slots, positions out of range,
+                token ids outside the vocabulary, logit indices outside 0..T-1.
+        """
+        w = self.weights
+        cache.check_tokens(slots, positions)
+        t = slots.numel()
+        if input_ids.shape != (t,) or input_ids.dtype != torch.int64 or t == 0:
+            raise ValueError(f"input_ids must be int64 [T] with T = len(slots) >= 1, got "
+                             f"{input_ids.dtype} {tuple(input_ids.shape)}")
+        if bool(((input_ids < 0) | (input_ids >= w.vocab_size)).any()):
+            raise ValueError(f"token ids must be in [0, {w.vocab_size})")
+        if logit_indices is not None and logit_indices.numel() and bool(
+                ((logit_indices < 0) | (logit_indices >= t)).any()):
+            raise ValueError(f"logit_indices must be in [0, {t})")
+        hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
+        plan = plan_varlen(slots, positions, hq // hkv)
+        rows = cache.write_rows(slots, positions)
+        cos, sin = w.rope(positions)
+        h = F.embedding(input_ids, w.embed)
+        taps = torch.empty(t, len(self.target_layer_ids) * w.hidden_size, dtype=h.dtype,
+                           device=h.device)
+        self._tap(taps, -1, h)
+        for i, layer in enumerate(w.layers):
+            x = F.rms_norm(h, (w.hidden_size,), layer.input_norm, w.eps)
+            qkv = layer.qkv(x)
+            qk = qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (d,), None, w.eps) * layer.qk_norm
+            # Rotating the query and key heads together: one RoPE call per layer.
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
+            k, v = qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+            cache.write(i, rows, k, v)
+            o = varlen_attention(qk[:, :hq], cache.k[i], cache.v[i], scale=w.scale, plan=plan)
+            h = h + layer.o_proj(o.reshape(t, hq * d))
+            x = F.rms_norm(h, (w.hidden_size,), layer.post_norm, w.eps)
+            gate_up = layer.gate_up(x)
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+            self._tap(taps, i, h)
+        if logit_indices is not None:
+            h = h.index_select(0, logit_indices)
+        h = F.rms_norm(h, (w.hidden_size,), w.final_norm, w.eps)
+        return TargetOutput(logits=w.head(h).float(), taps=taps)
+
+    __call__ = forward
+
+    def _tap(self, taps: torch.Tensor, layer: int, h: torch.Tensor) -> None:
+        hidden = self.weights.hidden_size
+        for j, tap_layer in enumerate(self.target_layer_ids):
+            if tap_layer == layer:
+                taps[:, j * hidden:(j + 1) * hidden] = h

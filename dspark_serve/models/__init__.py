@@ -1,0 +1,1 @@
+"""Target models the engine can serve without a hub: the default model recipe."""

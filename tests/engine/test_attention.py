@@ -1,0 +1,92 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark_serve.engine.attention import plan_varlen, varlen_attention
+
+
+def reference(q, k_cache, v_cache, slots, positions, scale=None):
+    """Each token on its own: SDPA over keys 0..position of its slot, K/V heads repeated."""
+    groups = q.shape[1] // k_cache.shape[1]
+    out = torch.empty_like(q)
+    for t in range(q.shape[0]):
+        s, p = int(slots[t]), int(positions[t])
+        k = k_cache[s, :, :p + 1].repeat_interleave(groups, dim=0).float()
+        v = v_cache[s, :, :p + 1].repeat_interleave(groups, dim=0).float()
+        out[t] = F.scaled_dot_product_attention(q[t, :, None].float(), k, v, scale=scale)[:, 0]
+    return out
+
+
+def ragged_step(gen, num_slots, max_len, requests, shuffle=True):
+    """Tokens of several requests: (slot, first position, count) each, optionally shuffled."""
+    slots = torch.cat([torch.full((n,), s) for s, _, n in requests])
+    positions = torch.cat([torch.arange(p, p + n) for _, p, n in requests])
+    if shuffle:
+        perm = torch.randperm(slots.numel(), generator=gen)
+        slots, positions = slots[perm], positions[perm]
+    return slots, positions
+
+
+@pytest.mark.parametrize("hkv,groups", [(2, 1), (2, 3), (1, 4), (3, 3)])
+@pytest.mark.parametrize("requests", [
+    [(3, 10, 5), (1, 7, 1), (0, 0, 3), (4, 30, 4)],     # prefill chunks, verify blocks, decode
+    [(2, 0, 17)],                                         # one request's prompt
+    [(4, 9, 1), (0, 3, 1), (2, 0, 1)],                    # pure decode, slots out of order
+    [(1, 5, 1), (2, 20, 1), (3, 6, 1)],                   # decode over a contiguous slot range
+    [(1, 5, 3), (2, 20, 2)],                              # blocks over a contiguous slot range
+])
+def test_matches_per_token_sdpa(hkv, groups, requests):
+    gen = torch.Generator().manual_seed(0)
+    num_slots, max_len, d = 5, 40, 16
+    k_cache = torch.randn(num_slots, hkv, max_len, d, generator=gen)
+    v_cache = torch.randn(num_slots, hkv, max_len, d, generator=gen)
+    slots, positions = ragged_step(gen, num_slots, max_len, requests)
+    q = torch.randn(slots.numel(), hkv * groups, d, generator=gen)
+    out = varlen_attention(q, k_cache, v_cache, slots, positions)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, slots, positions),
+                               atol=2e-6, rtol=1e-5)
+    scaled = varlen_attention(q, k_cache, v_cache, slots, positions, scale=0.3)
+    torch.testing.assert_close(scaled, reference(q, k_cache, v_cache, slots, positions, 0.3),
+                               atol=2e-6, rtol=1e-5)
+
+
+def test_plan_layouts():
+    decode = plan_varlen(torch.tensor([4, 0, 2]), torch.tensor([9, 3, 3]), groups=2)
+    assert decode.token_index is None and decode.max_q == 1 and decode.kv_len == 10
+    assert decode.first_slot is None and decode.mask.shape == (3, 1, 2, 10)
+    same_pos = plan_varlen(torch.tensor([2]), torch.tensor([6]), groups=3)
+    assert same_pos.mask is None and same_pos.first_slot == 2
+    mixed = plan_varlen(torch.tensor([3, 1, 3, 3]), torch.tensor([4, 0, 5, 6]), groups=1)
+    assert mixed.row_slots.tolist() == [1, 3] and mixed.max_q == 3
+    assert mixed.token_index.tolist() == [3, 0, 4, 5] and mixed.first_slot is None
+    # Padding cells of slot 1's row see key 0 only; slot 3's third query sees keys 0..6.
+    assert mixed.mask[0, 0, 1].tolist() == [True] + [False] * 6
+    assert mixed.mask[1, 0, 2].tolist() == [True] * 7
+
+
+def test_bfloat16_close_to_float32():
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(3, 2, 32, 8, generator=gen)
+    v_cache = torch.randn(3, 2, 32, 8, generator=gen)
+    slots, positions = ragged_step(gen, 3, 32, [(0, 4, 6), (2, 20, 1)])
+    q = torch.randn(slots.numel(), 4, 8, generator=gen)
+    out = varlen_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), slots, positions)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, slots, positions),
+                               atol=3e-2, rtol=3e-2)
+
+
+def test_rejects_bad_inputs():
+    k = torch.zeros(2, 2, 8, 4)
+    with pytest.raises(ValueError, match="head_dim"):
+        varlen_attention(torch.zeros(1, 4, 5), k, k, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="divisible"):
+        varlen_attention(torch.zeros(1, 3, 4), k, k, torch.tensor([0]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="needs slots"):
+        varlen_attention(torch.zeros(1, 4, 4), k, k)
+    with pytest.raises(ValueError, match="does not fit"):
+        varlen_attention(torch.zeros(1, 4, 4), k, k, torch.tensor([0]), torch.tensor([8]))
+    with pytest.raises(ValueError, match="non-empty"):
+        plan_varlen(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="groups"):
+        plan_varlen(torch.tensor([0]), torch.tensor([0]), 0)

@@ -1,0 +1,31 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark_serve.engine.linear import Linear, _can_pack
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64, 257])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_f_linear(dtype, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(rows, 40, generator=gen).to(dtype)
+    layer = Linear(weight, bias)
+    # Float32 always stays on F.linear; bfloat16 packs wherever oneDNN supports it.
+    assert layer.packed == (dtype == torch.bfloat16 and _can_pack(weight))
+    out = layer(x)
+    assert out.dtype == dtype and out.shape == (rows, 96)
+    # Packed bfloat16 rounds like F.linear in bfloat16 (float32 accumulation, one rounding).
+    torch.testing.assert_close(out.float(), F.linear(x, weight, bias).float(), atol=0.07,
+                               rtol=1e-2)
+
+
+def test_unpacked_on_request():
+    weight = torch.randn(8, 4).bfloat16()
+    layer = Linear(weight, pack=False)
+    assert not layer.packed and layer.weight is weight
+    x = torch.randn(2, 4).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, weight))

@@ -1,0 +1,216 @@
+"""The flat-token target runner against transformers' own forward, on tiny random Llama / Qwen2
+/ Qwen3 models (fast) and on the default SmolLM2-135M-Instruct (slow)."""
+import types
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.engine.target_weights import load_weights
+from dspark_serve.sampling.sampler import sample_from_probs
+
+TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=64)
+YARN_ROPE = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                 original_max_position_embeddings=128)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY),
+    "llama-mha-llama3-rope": lambda: LlamaConfig(**{**TINY, "num_key_value_heads": 4},
+                                                 rope_parameters=LLAMA3_ROPE),
+    "qwen2-yarn": lambda: Qwen2Config(**TINY, rope_parameters=YARN_ROPE),
+    "qwen3-tied-bias": lambda: Qwen3Config(**TINY, head_dim=24, attention_bias=True,
+                                           tie_word_embeddings=True),
+}
+
+
+def tiny_hf(name, seed=0):
+    """A random tiny model whose norm weights and biases are far from their 1 / 0 init, so a
+    skipped norm or bias shows in the logits."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "bias" in pname:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(hf, ids):
+    """transformers' logits [len(ids), V] float32 for one sequence, no cache."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def plain_decode(model, prompts, max_new, *, chunk, num_slots, temperature=0.0, seed=0):
+    """Plain continuous-batching decoding, a harness for the runner only: request i arrives
+    at step i and waits for a free slot; each step runs, in one forward, up to ``chunk``
+    prompt tokens of every prefilling request plus the last token of every decoding one.
+
+    Returns (generated token lists, per-request logits [len(prompt) + max_new - 1, V] of all
+    positions, the uniforms used per request). Asserts the cache's free capacity is back to
+    its initial value at the end.
+    """
+    cache = model.new_kv_cache(num_slots, 128)
+    initial_free = cache.free_tokens
+    reqs = [dict(prompt=list(p), out=[], fed=0, slot=None, logits=[], u=[],
+                 gen=torch.Generator().manual_seed(seed + i)) for i, p in enumerate(prompts)]
+    step = 0
+    while any(len(r["out"]) < max_new for r in reqs):
+        for r in reqs[:step + 1]:
+            if r["slot"] is None and not r["out"] and cache.num_free_slots:
+                r["slot"] = cache.allocate()
+        active = [r for r in reqs if r["slot"] is not None]
+        ids, slots, positions, spans = [], [], [], []
+        for r in active:
+            seq = r["prompt"] + r["out"]
+            start = r["fed"]
+            stop = min(start + chunk, len(r["prompt"])) if start < len(r["prompt"]) else start + 1
+            ids += seq[start:stop]
+            slots += [r["slot"]] * (stop - start)
+            positions += range(start, stop)
+            spans.append((len(ids) - (stop - start), len(ids)))
+            r["fed"] = stop
+        out = model.forward(torch.tensor(ids), torch.tensor(slots), torch.tensor(positions), cache)
+        for r, (a, b) in zip(active, spans):
+            r["logits"].append(out.logits[a:b])
+            if r["fed"] < len(r["prompt"]):
+                continue
+            last = out.logits[b - 1:b]
+            if temperature == 0.0:
+                token = int(last.argmax())
+            else:
+                u = torch.rand(1, generator=r["gen"])
+                r["u"].append(u)
+                token = int(sample_from_probs(torch.softmax(last / temperature, -1), u))
+            r["out"].append(token)
+            if len(r["out"]) == max_new:
+                cache.free(r["slot"])
+                r["slot"] = None
+        step += 1
+    assert cache.free_tokens == initial_free == cache.capacity_tokens
+    return ([r["out"] for r in reqs], [torch.cat(r["logits"])[:len(r["prompt"]) + max_new - 1]
+                                       for r in reqs], [r["u"] for r in reqs])
+
+
+def check_against_hf(hf, prompts, outs, logits, atol):
+    """Our logits at every position equal transformers' (teacher-forced on our output), and
+    each greedy token is transformers' argmax given the same prefix: the greedy sequences
+    are identical."""
+    for prompt, out, ours in zip(prompts, outs, logits):
+        ref = hf_logits(hf, list(prompt) + out[:-1])
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+        assert out == ref[len(prompt) - 1:].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_tiny_greedy_matches_transformers(name):
+    hf = tiny_hf(name)
+    model = TargetModel.from_hf(hf)
+    prompts = [[5, 17, 3, 88, 40], list(range(20, 33)), [9, 2]]
+    outs, logits, _ = plain_decode(model, prompts, 32, chunk=4, num_slots=2)
+    check_against_hf(hf, prompts, outs, logits, atol=1e-4)
+
+
+def test_tiny_sampled_matches_inverse_cdf_of_transformers():
+    hf = tiny_hf("qwen3-tied-bias", seed=1)
+    prompts = [[1, 2, 3], [50, 60, 70, 80, 90, 10]]
+    outs, _, uniforms = plain_decode(TargetModel.from_hf(hf), prompts, 24, chunk=3,
+                                     num_slots=2, temperature=0.8, seed=7)
+    for prompt, out, u in zip(prompts, outs, uniforms):
+        ref = hf_logits(hf, prompt + out[:-1])[len(prompt) - 1:]
+        expected = sample_from_probs(torch.softmax(ref / 0.8, -1), torch.cat(u))
+        assert out == expected.tolist()
+    again, _, _ = plain_decode(TargetModel.from_hf(hf), prompts, 24, chunk=3, num_slots=2,
+                               temperature=0.8, seed=7)
+    assert again == outs
+
+
+def test_taps_follow_deepspec_hooks():
+    """Tap l is the output of decoder layer l (DeepSpec hooks ``layers[l]``), tap -1 the
+    embedding output; for l < L-1 that is transformers' hidden_states[l + 1], and the last
+    layer's tap is taken before the final norm (unlike hidden_states[-1])."""
+    hf = tiny_hf("llama")
+    ids = [4, 8, 15, 16, 23, 42]
+    captured = {}
+    hooks = [hf.model.embed_tokens.register_forward_hook(lambda m, i, o: captured.update({-1: o}))]
+    for layer_id in (0, 2):
+        hooks.append(hf.model.layers[layer_id].register_forward_hook(
+            lambda m, i, o, layer_id=layer_id: captured.update({layer_id: o})))
+    with torch.no_grad():
+        hidden = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for h in hooks:
+        h.remove()
+    model = TargetModel.from_hf(hf, target_layer_ids=[2, -1, 0])
+    cache = model.new_kv_cache(1, 16)
+    slot = cache.allocate()
+    taps = model.forward(torch.tensor(ids), torch.full((6,), slot), torch.arange(6), cache).taps
+    h = hf.config.hidden_size
+    assert taps.shape == (6, 3 * h)
+    for j, layer_id in enumerate((2, -1, 0)):
+        torch.testing.assert_close(taps[:, j * h:(j + 1) * h], captured[layer_id][0],
+                                   atol=1e-5, rtol=0)
+    torch.testing.assert_close(taps[:, 2 * h:], hidden[1][0], atol=1e-5, rtol=0)
+    assert not torch.allclose(taps[:, :h], hidden[3][0], atol=1e-2)
+
+
+def test_logit_indices_select_rows_in_order():
+    hf = tiny_hf("qwen2-yarn")
+    model = TargetModel.from_hf(hf)
+    cache = model.new_kv_cache(2, 16)
+    slot = cache.allocate()
+    ids = [7, 1, 30, 2, 9]
+    out = model.forward(torch.tensor(ids), torch.full((5,), slot), torch.arange(5), cache,
+                        logit_indices=torch.tensor([4, 0]))
+    assert out.logits.shape == (2, 96) and out.logits.dtype == torch.float32
+    assert out.taps.shape == (5, 0)
+    torch.testing.assert_close(out.logits, hf_logits(hf, ids)[[4, 0]], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_close_to_float32_reference():
+    hf = tiny_hf("qwen3-tied-bias")
+    ids = list(range(3, 40))
+    ref = hf_logits(hf, ids)
+    model = TargetModel.from_hf(hf.to(torch.bfloat16))
+    assert model.dtype == torch.bfloat16
+    cache = model.new_kv_cache(1, 64)
+    slot = cache.allocate()
+    out = model.forward(torch.tensor(ids), torch.full((len(ids),), slot),
+                        torch.arange(len(ids)), cache)
+    assert out.logits.dtype == torch.float32
+    torch.testing.assert_close(out.logits, ref, atol=0.1, rtol=0.05)
+
+
+def test_rejects_unsupported_models():
+    with pytest.raises(ValueError, match="unsupported target model_type 'gpt2'"):
+        load_weights(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
+    sliding = Qwen2Config(**TINY, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    with pytest.raises(ValueError, match="sliding-window"):
+        TargetModel.from_hf(AutoModelForCausalLM.from_config(sliding))
+    dynamic = LlamaConfig(**TINY, rope_parameters=dict(rope_type="dynamic", factor=2.0,
+                                                       rope_theta=10000.0))
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
+        TargetModel.from_hf(AutoModelForCausalLM.from_config(dynamic))
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        TargetModel.from_hf(tiny_hf("llama"), target_layer_ids=[3])
+    with pytest.raises(ValueError, match="dtype"):
+        TargetModel.from_pretrained("unused", dtype="int8")
+
+
+def test_forward_rejects_bad_inputs():
+    model = TargetModel.from_hf(tiny_hf("llama"))
+    cache = model.new_kv_cache(2, 8)
+    slot = cache.allocate()
+    one, pos = torch.tensor([slot]), torch.tensor([0])
+    with pytest.raises(ValueError, match="token ids"):
+        model.forward(torch.tensor([96]), one, pos, cache)
+    with pytest.raises(ValueError, match="input_ids must be int64"):
+        model.forward(torch.tensor([1], dtype=torch.int32), one, pos, cache)
+    with pytest.raises(ValueError, match="logit_indices"):
+        model.forward(torch.tensor([1]), one, pos, cache, logit_indices=torch.tensor([1]))
+    with pytest.raises(ValueError, match="allocated"):
+        model.forward(torch.tensor([1]), torch.tensor([1]), pos, cache)
+    with pytest.raises(ValueError, match="positions"):
+        model.forward(torch.tensor([1]), one, torch.tensor([8]), cache)
