@@ -13,8 +13,12 @@ import sys
 # subcommand -> module providing add_parser()
 SUBCOMMANDS = {
     "bench": "dspark_serve.bench.cli",
+    "calibrate": "dspark_serve.eval.calibrate_cli",
+    "eval": "dspark_serve.eval.eval_cli",
+    "gen-data": "dspark_serve.training.gen_data_cli",
     "profile": "profiler.cli",
     "serve": "dspark_serve.server.cli",
+    "train": "dspark_serve.training.train_cli",
 }
 
 

@@ -1,0 +1,84 @@
+"""``dspark-serve calibrate``: fit STS temperatures (paper Section 3.2.1) for a trained drafter.
+
+Runs drafter + target rounds on held-out ShareGPT prompts (the ``heldout`` list of a
+``gen-data`` folder, never trained on) at the serving temperature with full-gamma verification
+(static), labels each round with its real rejection-sampling outcome (prefix survival), fits
+the per-position temperatures and writes ``sts_calibration.json`` beside the drafter (the
+engine loads it automatically) plus a reliability diagram PNG (raw vs STS).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("calibrate", help="fit STS calibration on held-out prompts",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--draft", required=True, help="trained DSpark drafter folder")
+    p.add_argument("--data", required=True, help="gen-data folder (its held-out prompts)")
+    p.add_argument("--model", default=None, help="target HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-prompts", type=int, default=200, help="held-out prompts used")
+    p.add_argument("--temperature", type=float, default=1.0, help="serving sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="serving top-p")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
+    p.add_argument("--out", default=None, help="calibration JSON (default: DRAFT/sts_calibration.json)")
+    p.add_argument("--png", default=None, help="reliability diagram (default: DRAFT/reliability.png)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=run)
+
+
+def heldout_prompts(data: str, limit: int) -> list[str]:
+    """The first ``limit`` held-out ShareGPT prompts of a gen-data folder.
+    Raises ValueError if the prompt set no longer reproduces the folder's split."""
+    from dspark_serve.data.prompt_sets import load_prompts
+    from dspark_serve.training.dataset import read_split
+    from dspark_serve.training.gen_data import split_prompts
+
+    manifest = read_split(data)
+    unique, again = split_prompts(load_prompts("sharegpt"), manifest["num_prompts"],
+                                  len(manifest["heldout"]), manifest["seed"])
+    if again["heldout"] != manifest["heldout"]:
+        raise ValueError(f"the ShareGPT prompts no longer reproduce the split of {data}")
+    return [unique[i] for i in manifest["heldout"][:limit]]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark_serve.calibration import fit_calibration, prefix_survival_labels, save_sts_calibration
+    from dspark_serve.calibration.metrics import reliability_diagram
+    from dspark_serve.calibration.sts import calibrated_confidence
+    from dspark_serve.eval.loading import chat_prompts, load_pair
+    from dspark_serve.eval.rounds import run_rounds
+
+    pair = load_pair(args.model, args.draft, "dspark", args.dtype)
+    if pair.drafter.confidence_head is None:
+        raise ValueError(f"{args.draft} has no confidence head: nothing to calibrate")
+    prompts = chat_prompts(pair.tokenizer, heldout_prompts(args.data, args.num_prompts))
+    rounds = run_rounds(pair.target, pair.drafter, prompts, temperature=args.temperature,
+                        top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                        batch_size=args.batch_size, eos_ids=pair.eos_ids, seed=args.seed,
+                        progress=True)
+    g = rounds.gamma
+    survived, valid = prefix_survival_labels(rounds.num_accepted,
+                                             torch.full_like(rounds.num_accepted, g), g)
+    cal = fit_calibration(rounds.conf_logits, survived, valid=valid,
+                          dataset=f"sharegpt-heldout prompts={len(prompts)} "
+                                  f"temperature={args.temperature:g} top_p={args.top_p:g}")
+    out = Path(args.out or Path(pair.draft_path) / "sts_calibration.json")
+    save_sts_calibration(out, cal)
+    z = rounds.conf_logits.double()
+    before = torch.cumprod(torch.sigmoid(z), 1)
+    after = torch.cumprod(calibrated_confidence(z, torch.tensor(cal.temperatures).double()), 1)
+    png = reliability_diagram(args.png or Path(pair.draft_path) / "reliability.png", before,
+                              survived, survival_after=after, valid=valid,
+                              title=f"STS on {len(prompts)} held-out ShareGPT prompts, "
+                                    f"T={args.temperature:g}")
+    mean = lambda xs: sum(xs) / len(xs)
+    print(f"rounds {cal.num_samples}, temperatures {[round(t, 3) for t in cal.temperatures]}")
+    print(f"mean ECE {100 * mean(cal.ece_before):.2f}% -> {100 * mean(cal.ece_after):.2f}%")
+    print(f"wrote {out} and {png}")
+    return 0

@@ -1,0 +1,51 @@
+"""``dspark-serve gen-data``: regenerate ShareGPT responses with the target (resumable)."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from dspark_serve.training.gen_data import GenDataConfig
+
+_HELP = {
+    "out": "data folder (split.json, sequences.jsonl); an existing folder resumes",
+    "model": "target HF folder (default: SmolLM2-135M-Instruct)",
+    "num_prompts": "unique ShareGPT first user turns used (train + held-out)",
+    "heldout": "prompts kept out of training for calibration",
+    "greedy_fraction": "share of train prompts answered at temperature 0",
+    "temperature": "sampling temperature of the other prompts (model card)",
+    "top_p": "top-p of the other prompts (model card)",
+    "max_prompt_tokens": "longer prompts are skipped",
+    "max_new_tokens": "response length cap",
+    "max_num_seqs": "requests decoded together by the engine",
+    "dtype": "target dtype", "seed": "split, greedy share and sampling seed",
+}
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("gen-data", help="regenerate training responses with the target",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(GenDataConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+        if f.name == "out":
+            p.add_argument(flag, required=True, help=_HELP[f.name])
+        elif f.name == "dtype":
+            p.add_argument(flag, choices=("bfloat16", "float32"), default=f.default,
+                           help=_HELP[f.name])
+        else:
+            p.add_argument(flag, type=kind, default=f.default, help=_HELP[f.name])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dspark_serve.training.gen_data import generate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = GenDataConfig(**{f.name: getattr(args, f.name) for f in fields(GenDataConfig)})
+    n = generate(cfg)
+    print(f"dspark-serve gen-data: {n} new sequences in {cfg.out}")
+    return 0

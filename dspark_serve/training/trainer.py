@@ -1,0 +1,233 @@
+"""The drafter training loop (paper Section 3.3): frozen target, frozen shared embedding and LM
+head, random anchors per sequence, losses Eq 8-12, AdamW with warmup + cosine decay.
+
+The same loop trains DSpark (Markov head + confidence head, alpha_ce/tv/conf = 0.1/0.9/1.0)
+and the DFlash baseline (``kind="dflash"``: markov_rank 0, no confidence head, CE only),
+so the two differ only in what the paper ablates. Training is deterministic given the seed:
+step i reads a fixed slice of a seeded per-epoch order and draws its anchors from a generator
+seeded by (seed, i), so a resumed run continues exactly where it stopped.
+
+Output folder: ``step-NNNNNN/`` checkpoints (DeepSpec format in float32, written by
+``save_drafter``, plus ``trainer_state.pt`` with the optimizer, scheduler and step; the last
+``keep`` are kept), ``train_log.jsonl`` (loss terms, per-step seconds) and, at the end,
+``final/``: the drafter in bfloat16, the folder to ship.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dspark_serve.drafter.checkpoint import load_drafter, save_drafter
+from dspark_serve.drafter.model import DSparkDrafter
+from dspark_serve.training.anchors import block_layout, sample_anchors
+from dspark_serve.training.checkpointing import STATE_FILE, latest_checkpoint, save_checkpoint
+from dspark_serve.training.dataset import Sequence, load_sequences
+from dspark_serve.training.forward import drafter_forward
+from dspark_serve.training.losses import ALPHA_CE, ALPHA_CONF, ALPHA_TV, drafter_loss
+from dspark_serve.training.target_features import target_features
+
+@dataclass
+class TrainConfig:
+    """Hyperparameters of one training run (CLI flags map onto them one to one)."""
+
+    data: str
+    out: str
+    kind: str = "dspark"
+    model: str | None = None
+    steps: int = 3000
+    seqs_per_step: int = 4
+    anchors_per_seq: int = 16
+    max_len: int = 768
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    alpha_ce: float | None = None
+    alpha_tv: float | None = None
+    alpha_conf: float | None = None
+    loss_decay: float | None = None
+    temperature: float = 1.0
+    dtype: str = "bfloat16"
+    seed: int = 0
+    save_every: int = 250
+    log_every: int = 10
+    keep: int = 2
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dspark", "dflash"):
+            raise ValueError(f"kind must be 'dspark' or 'dflash', got {self.kind!r}")
+        for name in ("steps", "seqs_per_step", "anchors_per_seq", "save_every", "log_every", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        dflash = self.kind == "dflash"
+        # DFlash baseline: CE only (no target distribution term, no confidence head)
+        for name, dspark_default, dflash_default in (("alpha_ce", ALPHA_CE, 1.0),
+                                                     ("alpha_tv", ALPHA_TV, 0.0),
+                                                     ("alpha_conf", ALPHA_CONF, 0.0)):
+            if getattr(self, name) is None:
+                setattr(self, name, dflash_default if dflash else dspark_default)
+
+
+def init_weights(drafter: DSparkDrafter, seed: int) -> None:
+    """Seeded initialisation: linear weights N(0, 0.02) with zero biases (transformers'
+    default), Markov W1 N(0, 1) and W2 = 0 so the sequential bias starts at zero and the
+    untrained drafter is exactly its DFlash backbone."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in drafter.modules():
+        if isinstance(module, torch.nn.Linear):
+            with torch.no_grad():
+                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.02)
+                if module.bias is not None:
+                    module.bias.zero_()
+    head = drafter.markov_head
+    if head is not None:
+        with torch.no_grad():
+            head.markov_w1.weight.copy_(torch.randn(head.markov_w1.weight.shape, generator=gen))
+            head.markov_w2.weight.zero_()
+
+
+def lr_lambda(step: int, total: int, warmup_ratio: float) -> float:
+    """Linear warmup over ceil(warmup_ratio * total) steps, then cosine decay to 0."""
+    warmup = max(1, math.ceil(warmup_ratio * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def batch_for_step(sequences: list[Sequence], step: int, per_step: int, seed: int) -> list[Sequence]:
+    """The sequences of step ``step``: consecutive slices of a seeded permutation per epoch."""
+    n = len(sequences)
+    picked = []
+    for i in range(step * per_step, (step + 1) * per_step):
+        epoch, offset = divmod(i, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+        picked.append(sequences[int(order[offset])])
+    return picked
+
+
+def train_step(drafter: DSparkDrafter, target, batch: list[Sequence], cfg: TrainConfig,
+               step: int, autocast: bool):
+    """Forward + loss of one step (no optimizer update). Returns (LossTerms, seconds in the
+    target, number of blocks)."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    anchors = [sample_anchors(s.loss_mask, cfg.anchors_per_seq, gen) for s in batch]
+    c = drafter.config
+    layout = block_layout([s.ids for s in batch], [s.loss_mask for s in batch], anchors,
+                          block_size=c.block_size, label_offset=c.label_offset,
+                          mask_token_id=c.mask_token_id)
+    needs_target = cfg.alpha_tv != 0 or (cfg.alpha_conf != 0 and drafter.confidence_head is not None)
+    t0 = time.perf_counter()
+    feats = target_features(target, [s.ids for s in batch], layout, with_logits=needs_target)
+    t_target = time.perf_counter() - t0
+    layout = layout.to(target.device)
+    with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits, conf_logits = drafter_forward(drafter, feats.taps, layout)
+    loss = drafter_loss(logits, layout.labels, layout.label_mask, target_logits=feats.logits,
+                        conf_logits=conf_logits if drafter.confidence_head is not None else None,
+                        alpha_ce=cfg.alpha_ce, alpha_tv=cfg.alpha_tv, alpha_conf=cfg.alpha_conf,
+                        decay=cfg.loss_decay or c.gamma, temperature=cfg.temperature)
+    return loss, t_target, layout.num_blocks
+
+
+def build_models(cfg: TrainConfig, resume_from: Path | None):
+    """(target, drafter, model name) for a run: the target (frozen, ``cfg.dtype``) tapped at the
+    drafter's layers, and a float32 drafter of the default shape (seeded init) or the one
+    saved at ``resume_from``."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dspark_serve.drafter.checkpoint import read_config
+    from dspark_serve.engine.target_model import TargetModel
+    from dspark_serve.models.default_drafter import default_drafter_config
+    from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+
+    path = cfg.model or default_model_path()
+    name = Path(path).name if cfg.model else MODEL_NAME
+    if resume_from is not None:
+        dcfg = read_config(resume_from)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+        # the engine's rule for the mask token of a default-shape drafter
+        mask_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        dcfg = default_drafter_config(AutoConfig.from_pretrained(path), cfg.kind, mask_id)
+    target = TargetModel.from_pretrained(path, dtype=cfg.dtype, target_layer_ids=dcfg.target_layer_ids)
+    if resume_from is not None:
+        drafter = load_drafter(resume_from, target.embed_tokens, target.lm_head,
+                               dtype=torch.float32, device=target.device)
+    else:
+        drafter = DSparkDrafter(dcfg, target.embed_tokens, target.lm_head)
+        init_weights(drafter, cfg.seed)
+        drafter = drafter.to(target.device)
+    return target, drafter.train(), name
+
+
+def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
+    """Run (or resume) training; returns the ``final/`` folder (bfloat16 DeepSpec drafter).
+
+    Args:
+        models: optional (target, drafter) to train instead of loading ``cfg.model`` (tests).
+    Raises:
+        ValueError: no training data, or a resumed run whose kind differs.
+    """
+    from tqdm import tqdm
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resume_from = latest_checkpoint(out)
+    if models is None:
+        target, drafter, _ = build_models(cfg, resume_from)
+    else:
+        target, drafter = models
+        if resume_from is not None:
+            drafter.load_state_dict(load_drafter(resume_from, *drafter.shared_modules,
+                                                 dtype=torch.float32).state_dict())
+    if (drafter.markov_head is None) != (cfg.kind == "dflash"):
+        raise ValueError(f"the drafter in {out} does not match --kind {cfg.kind}")
+    sequences = load_sequences(cfg.data, max_len=cfg.max_len)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, cfg.steps, cfg.warmup_ratio))
+    start = 0
+    if resume_from is not None:
+        state = torch.load(resume_from / STATE_FILE, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = int(state["step"])
+    autocast = target.dtype == torch.bfloat16
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
+               desc=f"train {cfg.kind}")
+    with open(out / "train_log.jsonl", "a", encoding="utf-8") as log:
+        for step in bar:
+            t0, c0 = time.perf_counter(), time.process_time()
+            batch = batch_for_step(sequences, step, cfg.seqs_per_step, cfg.seed)
+            loss, t_target, blocks = train_step(drafter, target, batch, cfg, step, autocast)
+            optimizer.zero_grad(set_to_none=True)
+            loss.total.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            seconds = time.perf_counter() - t0
+            bar.set_postfix(loss=f"{float(loss.total.detach()):.3f}", ce=f"{float(loss.ce):.2f}",
+                            tau=f"{loss.expected_tau:.2f}", refresh=False)
+            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+                log.write(json.dumps({
+                    "step": step + 1, "loss": float(loss.total.detach()), "ce": float(loss.ce),
+                    "tv": float(loss.tv), "conf": float(loss.conf),
+                    "expected_tau": loss.expected_tau, "accept": loss.accept.tolist(),
+                    "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+                    "blocks": blocks, "seconds": seconds, "target_seconds": t_target,
+                    "cpu_seconds": time.process_time() - c0}) + "\n")
+                log.flush()
+            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+                save_checkpoint(out, step + 1, drafter, optimizer, scheduler, cfg, cfg.keep)
+    final = out / "final"
+    shipped = DSparkDrafter(drafter.config, *drafter.shared_modules)
+    shipped.load_state_dict(drafter.state_dict())
+    save_drafter(shipped.to(torch.bfloat16), final)
+    return final
