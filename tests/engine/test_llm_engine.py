@@ -1,0 +1,133 @@
+"""The embedded engine on the real default model: speculative decoding gives exactly the
+tokens of plain decoding (temperature 0 and seeded sampling) with the untrained default
+drafter, and with oracle drafters that make blocks accepted, partially rejected and cut by
+max_tokens, stop tokens, stop strings and EOS. Every run has 8 requests in flight."""
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from dspark_serve.engine.params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+REF_TOKENS = 32      # greedy reference length (oracle runs)
+SHORT_TOKENS = 6     # untrained-drafter runs: whole blocks verified, ~nothing accepted
+MAX_NUM_SEQS = 8
+SPEC_MODES = [("dspark", "async"), ("dspark", "algorithm1"), ("dflash", "static")]
+MODE_IDS = [f"{m}-{s}" for m, s in SPEC_MODES]
+
+
+@pytest.fixture(scope="module")
+def engine_for(make_engine):
+    def get(speculative="none", scheduler="async"):
+        return make_engine(speculative=speculative, scheduler=scheduler,
+                           max_num_seqs=MAX_NUM_SEQS, max_model_len=512)
+    return get
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(engine_for, generate, mtbench_prompts):
+    """Plain greedy decoding of the MT-Bench prompts, REF_TOKENS tokens each."""
+    return generate(engine_for(), mtbench_prompts,
+                    SamplingParams(temperature=0.0, max_tokens=REF_TOKENS))
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES, ids=MODE_IDS)
+def test_greedy_untrained_drafter_equals_plain(mode, engine_for, generate, mtbench_prompts,
+                                               greedy_reference):
+    """The shipped (untrained) drafter: every block verified and rejected, output unchanged."""
+    engine = engine_for(*mode)
+    out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
+                                                           max_tokens=SHORT_TOKENS))
+    assert len(out) >= 20
+    for rid, ref in greedy_reference.items():
+        assert out[rid].token_ids == ref.token_ids[:SHORT_TOKENS], rid
+
+
+@pytest.mark.parametrize("mode", SPEC_MODES, ids=MODE_IDS)
+def test_greedy_oracle_drafter_equals_plain(mode, engine_for, generate, mtbench_prompts,
+                                            greedy_reference, reference_oracle, use_oracle):
+    """Blocks of the target's own greedy continuation with 15% corrupted positions: long
+    accepted prefixes, partial rejections (KV rollback), context extension by several tokens."""
+    engine = engine_for(*mode)
+    refs = {rid: c.token_ids for rid, c in greedy_reference.items()}
+    use_oracle(engine, reference_oracle(engine, refs, corrupt=0.15, seed=1))
+    out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
+                                                           max_tokens=REF_TOKENS))
+    for rid, ref in greedy_reference.items():
+        assert out[rid].token_ids == ref.token_ids, rid
+        assert out[rid].finish_reason == ref.finish_reason, rid
+    tau = statistics.mean(c.accepted_length for c in out.values())
+    assert tau > 2.0, f"mean accepted length {tau:.2f}: blocks are not being accepted"
+    assert any(max(c.deltas) > 2 for c in out.values())
+
+
+def test_seeded_sampling_equals_plain_across_batches(engine_for, generate, mtbench_prompts,
+                                                     reference_oracle, use_oracle):
+    """Seeded requests: the same tokens alone, in a batch with unseeded requests, and with
+    speculation (oracle blocks of the seeded output, partly corrupted)."""
+    ids = list(mtbench_prompts)[:6]
+    seeded = {rid: SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=1000 + i)
+              for i, rid in enumerate(ids)}
+    plain = engine_for()
+    ref = generate(plain, {rid: mtbench_prompts[rid] for rid in ids}, seeded)
+    alone = generate(plain, {ids[0]: mtbench_prompts[ids[0]]}, seeded)
+    assert alone[ids[0]].token_ids == ref[ids[0]].token_ids
+    assert len({tuple(c.token_ids) for c in ref.values()}) == len(ids)  # seeds matter
+
+    engine = engine_for("dspark", "async")
+    mixed = {rid: mtbench_prompts[rid] for rid in list(mtbench_prompts)[:8]}
+    params = {rid: seeded.get(rid, SamplingParams(temperature=1.0, max_tokens=12))
+              for rid in mixed}
+    refs = {rid: (ref[rid].token_ids if rid in ref else []) for rid in mixed}
+    use_oracle(engine, reference_oracle(engine, refs, corrupt=0.2, seed=2))
+    out = generate(engine, mixed, params)
+    for rid in ids:
+        assert out[rid].token_ids == ref[rid].token_ids, rid
+    tau = statistics.mean(out[rid].accepted_length for rid in ids)
+    assert tau > 2.0, f"mean accepted length {tau:.2f}"
+
+
+def _first_new(tokens: list[int], start: int) -> int:
+    """Index >= start of the first token that does not occur earlier."""
+    return next(j for j in range(start, len(tokens)) if tokens[j] not in tokens[:j])
+
+
+def test_stops_inside_accepted_blocks(engine_for, generate, mtbench_prompts, greedy_reference,
+                                      reference_oracle, use_oracle):
+    """max_tokens, a stop token id, a stop string and EOS end a request exactly where plain
+    decoding ends it, though the oracle's block (uncorrupted) carries tokens past the end."""
+    plain = engine_for()
+    tok = plain.tokenizer
+    ids = list(mtbench_prompts)[:3]
+    ref0, ref1, ref2 = (greedy_reference[rid].token_ids for rid in ids)
+    j = _first_new(ref1, 9)
+    stop_text = tok.decode(ref2[12:14])
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? One word."}],
+        tokenize=False, add_generation_prompt=True)
+    prompts = {**{rid: mtbench_prompts[rid] for rid in ids},
+               "eos": tok.encode(chat, add_special_tokens=False)}
+    params = {ids[0]: SamplingParams(temperature=0.0, max_tokens=11),
+              ids[1]: SamplingParams(temperature=0.0, max_tokens=REF_TOKENS,
+                                     stop_token_ids=[ref1[j]]),
+              ids[2]: SamplingParams(temperature=0.0, max_tokens=REF_TOKENS, stop=[stop_text]),
+              "eos": SamplingParams(temperature=0.0, max_tokens=REF_TOKENS)}
+    expected = generate(plain, prompts, params)
+    assert expected[ids[0]].token_ids == ref0[:11]
+    assert expected[ids[1]].token_ids == ref1[:j + 1]
+    assert expected["eos"].token_ids[-1] in plain.eos_ids  # the prompt's answer ends in EOS
+    assert [c.finish_reason for c in expected.values()] == ["length", "stop", "stop", "stop"]
+
+    engine = engine_for("dspark", "async")
+    # The oracle continues past each end (with the plain run's tokens, then its reference).
+    refs = {ids[0]: ref0, ids[1]: ref1, ids[2]: ref2,
+            "eos": expected["eos"].token_ids + expected["eos"].token_ids}
+    use_oracle(engine, reference_oracle(engine, refs, corrupt=0.0, seed=3, conf_logit=6.0))
+    out = generate(engine, prompts, params)
+    for rid, exp in expected.items():
+        assert (out[rid].token_ids, out[rid].text, out[rid].finish_reason) == (
+            exp.token_ids, exp.text, exp.finish_reason), rid
+        assert out[rid].deltas[-1] >= 2, f"{rid}: the end did not fall inside a block"
