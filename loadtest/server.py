@@ -62,6 +62,7 @@ class ManagedServer:
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.startup_s = 0.0
 
     def __enter__(self) -> "ManagedServer":
         self._log = open(self.log_path, "w", encoding="utf-8")
@@ -70,7 +71,7 @@ class ManagedServer:
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            self.wait_healthy()
+            self.startup_s = self.wait_healthy()
         except BaseException:
             self.stop()
             raise
@@ -98,7 +99,7 @@ class ManagedServer:
                                   f"{self.log_tail()}")
             time.sleep(0.25)
 
-    def warm_up(self, requests: int, max_tokens: int = 8, timeout_s: float = 120.0) -> int:
+    def warm_up(self, requests: int, max_tokens: int = 4, timeout_s: float = 120.0) -> int:
         """Send ``requests`` concurrent short chat completions (lazy initialisation, caches,
         the scheduler's history); returns how many succeeded."""
         body = json.dumps({"model": "default", "max_tokens": max_tokens, "temperature": 0,

@@ -4,9 +4,12 @@ loopback port, a warm-up, a bounded headless Locust run, and a summary row; resu
 every run, so an interrupted sweep keeps what it measured) plus one folder per run with the
 server and Locust logs, the raw records and Locust's CSV statistics.
 
-A total time budget bounds the whole sweep: each run gets an equal share of what is left, minus
-the measured start/stop overhead of the runs so far (runs past the budget are recorded as
-skipped), so ``python -m loadtest sweep`` finishes in the stated time on any machine.
+A total time budget bounds the whole sweep: each run gets an equal share of what is left; the
+largest server start + warm-up + stop time seen so far comes off it, and the rest is split into
+the measured run (two thirds, at most ``run_time_s``) and a tail in which requests still in
+flight may finish (Locust's ``--stop-timeout``, at most ``MAX_TAIL_S``; it ends as soon as they
+have). Runs that no longer fit are recorded as skipped, so ``python -m loadtest sweep`` finishes
+in the stated time on any machine.
 """
 from __future__ import annotations
 
@@ -36,9 +39,13 @@ CONFIGS = {
     "dspark-threshold": ["--speculative", "dspark", "--scheduler", "threshold"],
 }
 ALL_CONFIGS = tuple(CONFIGS)
-OVERHEAD_GUESS_S = 20.0  # start + warm-up + stop of one run, until one has been measured
+OVERHEAD_GUESS_S = 20.0  # server start + warm-up + stop, until one run has been measured
+LOCUST_START_S = 3.0  # Locust's own start (imports, prompt sets) before its run-time counts
 MIN_RUN_S = 3
+RUN_SHARE = 2 / 3  # of a run's Locust time; the rest is the tail
+MAX_TAIL_S = 30
 PLOT_RESERVE_S = 10.0
+WARMUP_REQUESTS = 2  # concurrent, so a batched step is exercised too
 RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
 
@@ -53,7 +60,7 @@ class SweepOptions:
     time_budget_s: float = 900.0
     max_requests: int = 0
     prompt_sets: str = "mtbench,humaneval,sharegpt"
-    max_tokens: int = 96
+    max_tokens: int = 64
     min_tokens: int = 16
     max_prompt_chars: int = 1200
     think_time_s: float = 0.5
@@ -75,10 +82,11 @@ class SweepOptions:
 
 
 def locust_command(opts: SweepOptions, url: str, users: int, run_time_s: int,
-                   run_dir: Path) -> list[str]:
-    """The headless Locust command line of one run."""
+                   run_dir: Path, tail_s: int = 0) -> list[str]:
+    """The headless Locust command line of one run (``tail_s``: its --stop-timeout)."""
     return [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
             "-u", str(users), "-r", str(max(users, 100)), "-t", f"{run_time_s}s", "-H", url,
+            "--stop-timeout", str(tail_s),
             "--only-summary", "--csv", str(run_dir / "locust"),
             "--records-file", str(run_dir / "requests.jsonl"),
             "--window-file", str(run_dir / "window.json"),
@@ -96,36 +104,47 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
-def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int) -> tuple[dict, list]:
-    """Start a server, warm it up, run Locust; returns (summary row, request records)."""
+def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int,
+            tail_s: int = 0) -> tuple[dict, list, float]:
+    """Start a server, warm it up, run Locust; returns (summary row, request records, seconds
+    spent outside Locust: server start, warm-up, stop)."""
     run_dir = opts.out_dir / "runs" / f"{config}-c{users}"
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("requests.jsonl", "window.json"):
         (run_dir / stale).unlink(missing_ok=True)
+    start, locust_s = time.monotonic(), 0.0
     try:
         with ManagedServer([*CONFIGS[config], *opts.server_args], run_dir / "server.log",
                            server_cmd=opts.server_cmd,
                            startup_timeout_s=opts.startup_timeout_s) as server:
-            server.warm_up(max(2, users))
+            t0 = time.monotonic()
+            warmed = server.warm_up(WARMUP_REQUESTS)
+            print(f"  server healthy in {server.startup_s:.0f} s, warm-up {warmed}/"
+                  f"{WARMUP_REQUESTS} ok in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             with open(run_dir / "locust.log", "w", encoding="utf-8") as log:
+                t0 = time.monotonic()
                 locust = subprocess.run(
-                    locust_command(opts, server.url, users, run_time_s, run_dir), env=_env(),
-                    stdout=log, stderr=subprocess.STDOUT, timeout=run_time_s + 120)
+                    locust_command(opts, server.url, users, run_time_s, run_dir, tail_s),
+                    env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                    timeout=LOCUST_START_S + run_time_s + tail_s + 120)
+                locust_s = time.monotonic() - t0
     except ServerError as exc:
         print(f"  server failed: {str(exc).splitlines()[0]} (see {run_dir}/server.log)",
               file=sys.stderr)
-        return failed_row(config, users, "server_failed"), []
+        return failed_row(config, users, "server_failed"), [], time.monotonic() - start
     except subprocess.TimeoutExpired:
-        return failed_row(config, users, "locust_timeout"), []
+        return failed_row(config, users, "locust_timeout"), [], time.monotonic() - start
+    overhead = time.monotonic() - start - locust_s
     records = read_records(run_dir / "requests.jsonl")
     try:
         window = json.loads((run_dir / "window.json").read_text(encoding="utf-8"))
-        return summarize(records, window, config=config, concurrency=users), records
+        return summarize(records, window, config=config, concurrency=users), records, overhead
     except (FileNotFoundError, ValueError):
         # Locust exits 1 when some requests failed, which still leaves a window
         print(f"  no measurements: Locust exit code {locust.returncode} "
               f"(see {run_dir}/locust.log)", file=sys.stderr)
-        return failed_row(config, users, f"locust_failed_rc{locust.returncode}"), records
+        return (failed_row(config, users, f"locust_failed_rc{locust.returncode}"), records,
+                overhead)
 
 
 def write_results(out_dir: Path, rows: list[dict], records: list[dict], meta: dict) -> None:
@@ -155,16 +174,18 @@ def run_sweep(opts: SweepOptions) -> list[dict]:
     for i, (config, users) in enumerate(plan):
         left = opts.time_budget_s - PLOT_RESERVE_S - (time.monotonic() - start)
         overhead = max(overheads) if overheads else OVERHEAD_GUESS_S
-        run_time = int(min(opts.run_time_s, left / (len(plan) - i) - overhead))
+        allot = left / (len(plan) - i) - overhead - LOCUST_START_S
+        run_time = int(min(opts.run_time_s, allot * RUN_SHARE))
+        tail = int(max(0, min(MAX_TAIL_S, allot - run_time)))
         if run_time < MIN_RUN_S:
             print(f"[{i + 1}/{len(plan)}] {config} c={users}: skipped (time budget spent)",
                   file=sys.stderr)
             rows.append(failed_row(config, users, "skipped_budget"))
             continue
-        print(f"[{i + 1}/{len(plan)}] {config} c={users}: {run_time} s", file=sys.stderr)
-        t0 = time.monotonic()
-        row, records = run_one(opts, config, users, run_time)
-        overheads.append(max(0.0, time.monotonic() - t0 - run_time))
+        print(f"[{i + 1}/{len(plan)}] {config} c={users}: {run_time} s (+ up to {tail} s for "
+              "requests in flight)", file=sys.stderr)
+        row, records, spent = run_one(opts, config, users, run_time, tail)
+        overheads.append(spent)
         rows.append(row)
         all_records += [{"config": config, "concurrency": users, **r} for r in records]
         write_results(opts.out_dir, rows, all_records, meta)

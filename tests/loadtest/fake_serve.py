@@ -1,7 +1,8 @@
-"""Stand-in for ``dspark-serve serve`` in load-test tests: the same flags, serving the fake
-engine of ``tests/server/conftest.py`` (loaded by path, so it is reused, not copied) under
-uvicorn. ``--step-delay`` sets the fake engine's seconds per step; ``--speculative none`` gives
-plain one-token steps' stats shape is not modelled (the fake always reports speculation)."""
+"""Stand-in for ``dspark-serve serve`` in load-test tests: accepts the flags the sweep passes
+and serves the fake engine of ``tests/server/conftest.py`` (loaded by path, so it is reused, not
+copied) under uvicorn. ``--speculative`` and ``--scheduler`` are accepted and ignored: the fake
+engine always reports speculative stats (gamma = 4). ``--step-delay`` sets its seconds per step.
+"""
 from __future__ import annotations
 
 import argparse

@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
+from loadtest import sweep
 from loadtest.cli import main
-from loadtest.sweep import SweepOptions, run_sweep
+from loadtest.summary import failed_row
+from loadtest.sweep import SweepOptions, locust_command, run_sweep
 
 
 def test_sweep_end_to_end(tmp_path, fake_server_cmd):
@@ -58,3 +60,38 @@ def test_budget_skips_runs(tmp_path):
 def test_bad_options(tmp_path, kwargs):
     with pytest.raises(ValueError):
         SweepOptions(out_dir=tmp_path, **kwargs)
+
+
+def test_budget_split(tmp_path, monkeypatch):
+    """Each run gets an equal share of what is left: the largest measured overhead off, then
+    two thirds measured run (capped by run_time_s) and the rest tail (capped at 30 s)."""
+    calls = []
+
+    def fake_run_one(opts, config, users, run_time, tail):
+        calls.append((config, users, run_time, tail))
+        return failed_row(config, users, "fake"), [], 17.0
+
+    monkeypatch.setattr(sweep, "run_one", fake_run_one)
+    opts = SweepOptions(out_dir=tmp_path, configs=["none", "dspark"], concurrency=[1, 2, 4],
+                        run_time_s=200, time_budget_s=610.5)
+    sweep.run_sweep(opts)
+    # 600.5 s after the plot reserve: run 1 guesses 20 s overhead, 100.1 - 20 - 3 = 77.1 s for
+    # Locust -> 51 + 26; later runs use the measured 17 s: 120.1 - 17 - 3 = 100.1 -> 66 + 30
+    # (the cap); the 0.5 s keeps the floors clear of the microseconds the loop itself takes
+    assert calls[0] == ("none", 1, 51, 26)
+    assert calls[1] == ("none", 2, 66, 30)
+    assert [c[:2] for c in calls] == [(c, u) for c in ("none", "dspark") for u in (1, 2, 4)]
+    capped = SweepOptions(out_dir=tmp_path, configs=["none"], concurrency=[1], run_time_s=20,
+                          time_budget_s=610.5)
+    calls.clear()
+    sweep.run_sweep(capped)
+    assert calls == [("none", 1, 20, 30)]
+
+
+def test_locust_command_bounds(tmp_path):
+    opts = SweepOptions(out_dir=tmp_path, max_requests=50)
+    cmd = locust_command(opts, "http://127.0.0.1:1", 8, 25, tmp_path, tail_s=12)
+    flags = dict(zip(cmd, cmd[1:]))
+    assert (flags["-u"], flags["-t"], flags["--stop-timeout"], flags["--max-requests"]) == \
+        ("8", "25s", "12", "50")
+    assert flags["-H"] == "http://127.0.0.1:1" and "--headless" in cmd
