@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="timed steps per probe, median kept (default: %(default)s)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="stop growing B after this many seconds (default: none)")
-    p.add_argument("--out-dir", default="cost_tables",
+    p.add_argument("--out-dir", default="out/cost_tables",
                    help="folder for {SKU}.json and {SKU}.png (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens and cache")
