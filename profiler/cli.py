@@ -2,9 +2,11 @@
 forward on this machine, written as ``{SKU}.json`` (the cost table ``dspark-serve serve
 --cost-table`` and SGLang load) and ``{SKU}.png``.
 
-A small CPU grid in well under two minutes:
+A small CPU grid in under two minutes (one thread also keeps a shared, busy machine from
+stalling on thread synchronisation):
 
-    python -m profiler --max-batch-tokens 64 --context-lens 128,512 --repeats 3
+    python -m profiler --max-batch-tokens 32 --per-octave 2 --context-lens 128,512 \
+        --warmup 1 --repeats 3 --threads 1
 """
 from __future__ import annotations
 
@@ -58,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="out/cost_tables",
                    help="folder for {SKU}.json and {SKU}.png (default: %(default)s)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads torch computes with (part of the CPU SKU name; "
+                        "default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens and cache")
 
 
@@ -86,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --table-context-len {table_ctx} is not among --context-lens "
               f"{args.context_lens}", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print("error: --threads must be >= 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     path = args.model
     if path is None:
         from dspark_serve.models.default_model import default_model_path

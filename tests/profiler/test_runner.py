@@ -90,9 +90,16 @@ def test_startup_profile(tiny_llama):
         profile_cost_table(model, cache, max_batch_tokens=8, context_len=40)
 
 
-def test_cli_end_to_end(tiny_llama, tmp_path, capsys):
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_cli_end_to_end(tiny_llama, tmp_path, capsys, keep_threads):
     code = main(["--model", str(tiny_llama), "--max-batch-tokens", "8", "--context-lens", "4,16",
-                 "--warmup", "1", "--repeats", "1", "--requests", "2",
+                 "--warmup", "1", "--repeats", "1", "--requests", "2", "--threads", "1",
                  "--out-dir", str(tmp_path)])
     assert code == 0
     json_path, png_path = capsys.readouterr().out.split()
@@ -104,6 +111,7 @@ def test_cli_end_to_end(tiny_llama, tmp_path, capsys):
     assert (meta["model"], meta["dtype"], meta["context_len"]) == ("tiny-llama", "float32", 16)
     assert meta["profile"]["context_lens"] == [4, 16]
     assert {"device", "torch", "cuda", "date"} <= set(meta)
+    assert meta["cpu_threads"] == 1 and meta["sku"].endswith("_1c")
 
 
 def test_cli_rejects_unprofiled_table_context(tiny_llama, tmp_path):
