@@ -14,7 +14,8 @@ import subprocess
 
 from setuptools import find_packages, setup
 
-CSRC = ["csrc/registration.cpp", "csrc/philox.cu", "csrc/markov_sample.cu", "csrc/varlen_attention.cu"]
+CSRC = ["csrc/registration.cpp", "csrc/philox.cu", "csrc/markov_sample.cu",
+        "csrc/varlen_attention.cu"]
 
 
 def _cuda_build():
@@ -38,11 +39,13 @@ def _cuda_build():
     except ImportError:
         if mode == "1":
             raise RuntimeError("DSPARK_BUILD_CUDA=1 needs torch importable at build time: use "
-                               "pip install --no-build-isolation, or python setup.py build_ext --inplace")
+                               "pip install --no-build-isolation, or python setup.py "
+                               "build_ext --inplace")
         return [], {}
     usable = torch.version.cuda is not None and CUDA_HOME is not None
     if mode == "1" and not usable:
-        raise RuntimeError("DSPARK_BUILD_CUDA=1 needs a CUDA build of torch and a CUDA toolkit (CUDA_HOME)")
+        raise RuntimeError("DSPARK_BUILD_CUDA=1 needs a CUDA build of torch and a CUDA toolkit "
+                           "(CUDA_HOME)")
     if not usable or (mode == "auto" and not torch.cuda.is_available()):
         return [], {}
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc")
@@ -52,7 +55,8 @@ def _cuda_build():
     if not archs:
         raise RuntimeError(f"none of the requested CUDA archs is supported by {nvcc}")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
-    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # PTX for newer GPUs
+    # PTX of the newest target, so later GPUs can JIT it.
+    gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
     ext = CUDAExtension(
         "dspark_serve._C", CSRC,
         extra_compile_args={"cxx": ["-O3"],

@@ -8,6 +8,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace dspark {
 
@@ -75,6 +78,23 @@ __device__ __forceinline__ unsigned long long warp_inclusive_scan_u64(unsigned l
     if (lane >= o) x += y;
   }
   return x;
+}
+
+// Raises `kernel`'s dynamic shared memory limit on the current device to at least `bytes`.
+// Remembered per (kernel, device), so that the calls made while a CUDA graph is being
+// captured (after a warm-up call) do not repeat the attribute call.
+inline cudaError_t ensure_dynamic_smem(const void* kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> configured;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& done = configured[{kernel, device}];
+  if (done >= bytes) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err == cudaSuccess) done = bytes;
+  return err;
 }
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }

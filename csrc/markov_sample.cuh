@@ -607,7 +607,9 @@ cudaError_t launch(Params<T> p, void* workspace, LaunchMode mode, cudaStream_t s
     err = cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
 
-  const int rows_max = max_rows_per_launch<T>();
+  // Fewer requests per launch when a large rank would overflow shared memory.
+  int rows_max = max_rows_per_launch<T>();
+  while (rows_max > 16 && tile_smem_bytes<T>(rows_max, p.rank) > static_cast<size_t>(max_smem)) rows_max -= 16;
   p.num_tiles = ceil_div(p.V, kTileV);
   for (int r0 = 0; r0 < p.R; r0 += rows_max) {
     Params<T> q = p;
@@ -642,8 +644,7 @@ cudaError_t launch(Params<T> p, void* workspace, LaunchMode mode, cudaStream_t s
     int grid = std::max(q.num_tiles, q.R);
     if (persistent) {
       int per_sm = 0;
-      err = cudaFuncSetAttribute(persistent_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
+      err = ensure_dynamic_smem(reinterpret_cast<const void*>(persistent_kernel<T>), smem);
       if (err == cudaSuccess)
         err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_kernel<T>, kThreads, smem);
       if (err != cudaSuccess) return err;
@@ -658,11 +659,8 @@ cudaError_t launch(Params<T> p, void* workspace, LaunchMode mode, cudaStream_t s
       if (err != cudaSuccess) return err;
       continue;
     }
-    err = cudaFuncSetAttribute(tiles_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-    if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 static_cast<int>(smem));
+    err = ensure_dynamic_smem(reinterpret_cast<const void*>(tiles_kernel<T>), smem);
+    if (err == cudaSuccess) err = ensure_dynamic_smem(reinterpret_cast<const void*>(rows_kernel<T>), smem);
     if (err != cudaSuccess) return err;
     for (int step = 0; step <= q.G; ++step) {
       tiles_kernel<T><<<q.num_tiles, kThreads, smem, stream>>>(q, step);

@@ -302,8 +302,7 @@ template <typename T, int D>
 cudaError_t launch(const Params<T>& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
   const size_t smem = Smem<D>::kBytes;
-  cudaError_t err =
-      cudaFuncSetAttribute(attention_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaError_t err = ensure_dynamic_smem(reinterpret_cast<const void*>(attention_kernel<T, D>), smem);
   if (err != cudaSuccess) return err;
   const dim3 grid(ceil_div(p.num_tokens, p.tokens_per_tile), p.hkv, p.splits);
   attention_kernel<T, D><<<grid, kThreads, smem, stream>>>(p);

@@ -64,7 +64,9 @@ def markov_sample(base_logits: torch.Tensor, hidden: torch.Tensor, w1: torch.Ten
                                           conf_weight, conf_bias)
     if validate and not capturing():
         _check_values(anchor, uniforms, vocab)
-    floats = [base_logits, hidden, w1, w2] + ([conf_weight, conf_bias] if conf_weight is not None else [])
+    floats = [base_logits, hidden, w1, w2]
+    if conf_weight is not None:
+        floats += [conf_weight, conf_bias]
     tensors = floats + [anchor, uniforms, sampling.temperature, sampling.top_k, sampling.top_p,
                         sampling.min_p]
     kernel_ok = (use_cuda_kernel(*tensors) and rank % 16 == 0

@@ -53,7 +53,8 @@ def varlen_attention(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tenso
     _check_shapes(q, marker, k_cache, v_cache, page_table)
     if not 0 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [0, {_MAX_SPLITS}], got {num_splits}")
-    if not use_cuda_kernel(q, marker, k_cache, v_cache, page_table) or not _kernel_fits(q, k_cache, v_cache):
+    if not (use_cuda_kernel(q, marker, k_cache, v_cache, page_table)
+            and _kernel_fits(q, k_cache, v_cache)):
         return varlen_attention_reference(q, marker, k_cache, v_cache, page_table, scale=scale)
     if validate and not capturing():
         _check_values(marker, k_cache, page_table)
@@ -106,16 +107,18 @@ def _check_shapes(q, marker, k_cache, v_cache, page_table) -> None:
         raise ValueError(f"q must be floating [T, Hq, D], got {q.dtype} {tuple(q.shape)}")
     t, hq, d = q.shape
     if k_cache.dim() != 4 or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must both be [num_pages, page_size, Hkv, D={d}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(f"k_cache and v_cache must both be [num_pages, page_size, Hkv, D={d}], "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"caches must have q's dtype {q.dtype}, got {k_cache.dtype}/{v_cache.dtype}")
+        raise ValueError(f"caches must have q's dtype {q.dtype}, got "
+                         f"{k_cache.dtype}/{v_cache.dtype}")
     hkv = k_cache.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
     int_types = (torch.int32, torch.int64)
     if marker.shape != (t, 2) or marker.dtype not in int_types:
-        raise ValueError(f"marker must be int32/int64 [{t}, 2], got {marker.dtype} {tuple(marker.shape)}")
+        raise ValueError(f"marker must be int32/int64 [{t}, 2], got {marker.dtype} "
+                         f"{tuple(marker.shape)}")
     if page_table.dim() != 2 or page_table.dtype not in int_types:
         raise ValueError(f"page_table must be int32/int64 [num_slots, max_pages], got "
                          f"{page_table.dtype} {tuple(page_table.shape)}")

@@ -30,7 +30,8 @@ def _inputs(rows=7, gamma=5, vocab=97, rank=16, d=12, dtype=torch.float32, seed=
     anchor = torch.randint(0, vocab, (rows,), generator=g)
     conf_w = torch.randn(d + rank, generator=g).to(dtype)
     conf_b = torch.randn(1, generator=g).to(dtype)
-    uniforms = philox_uniforms(torch.arange(rows) + 100 * seed, torch.zeros(rows, dtype=torch.int64), gamma)
+    uniforms = philox_uniforms(torch.arange(rows) + 100 * seed,
+                               torch.zeros(rows, dtype=torch.int64), gamma)
     return base, hidden, w1, w2, anchor, conf_w, conf_b, uniforms
 
 
@@ -133,7 +134,8 @@ def test_dispatcher_on_cpu_is_the_reference():
 
 def test_empty_block():
     base, hidden, w1, w2, anchor, conf_w, conf_b, _ = _inputs(gamma=0)
-    block = markov_sample(base, hidden, w1, w2, anchor, _sampling(7), torch.zeros(7, 0), conf_w, conf_b)
+    block = markov_sample(base, hidden, w1, w2, anchor, _sampling(7), torch.zeros(7, 0),
+                          conf_w, conf_b)
     assert block.tokens.shape == (7, 0) and block.probs.shape == (7, 0, 97)
 
 
