@@ -9,16 +9,32 @@ cache first. So the forward batch is never padded; padding exists only inside th
 This PyTorch implementation is the CPU path and the reference for the fused CUDA kernel
 (issue 7): it gathers the step's R distinct slots into a [R, Hkv, L, D] view (L = max
 position + 1), lays the queries out as a [R, Hkv, G * max_q, D] grid (G = Hq / Hkv query heads
-per KV head, so grouped-query attention never repeats K/V) and calls
-``torch.nn.functional.scaled_dot_product_attention`` with a boolean mask.
-``plan_varlen`` does the per-step bookkeeping once for all layers.
+per KV head, so grouped-query attention never repeats K/V) and computes scores and outputs with
+two matmuls in the model dtype and a float32 softmax (the arithmetic of transformers' eager
+attention). ``plan_varlen`` does the per-step bookkeeping once for all layers.
+
+Why not ``F.scaled_dot_product_attention``: on CPU its result for one query depends on how
+many other queries share the call (measured: bf16 outputs differ between a decode token and
+the same token inside a verify block, up to 0.4 in the final logits). The matmul + softmax
+form gives every query row the same bits whatever the step's composition, provided the key
+length L is padded to a multiple of ``KV_BLOCK`` (measured in bfloat16, 1 and 2 threads: with
+unpadded L the probs @ V product differs in the last bit for ~1% of rows, because the reduction
+over L is blocked differently; masked keys of extra blocks add exact zeros), and oneDNN's
+bfloat16 linears
+are row-independent too, so a bfloat16 target computes identical logits for a token whether it
+is decoded alone, verified in a block or batched with other requests: greedy speculative
+decoding then reproduces plain decoding token for token. (Float32 matmuls go through MKL,
+whose results depend on the row count by ~1e-6 relative.)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+# Keys are read in whole blocks of this many positions (see the module docstring); KVCache
+# storage is a multiple of it.
+KV_BLOCK = 64
 
 
 @dataclass
@@ -29,10 +45,11 @@ class VarlenPlan:
     token_index: [T] int64 grid cell ``row * max_q + i`` of each token, or None when every
                  token is its own row in token order (a pure decode step: no scatter).
     max_q:       most tokens of one slot in the step.
-    kv_len:      L = max position + 1, the keys read per row.
+    kv_len:      L = max position + 1 rounded up to a multiple of KV_BLOCK (capped at the
+                 cache length), the keys read per row.
     groups:      G = query heads per KV head.
-    mask:        [R, 1, G * max_q, L] bool (True = attend), or None when every query sees
-                 all L keys.
+    blocked:     [R, 1, G * max_q, L] bool, True where a key is hidden from a query (past
+                 its position); None when every query sees all L keys.
     first_slot:  s when row_slots is s, s+1, ..., s+R-1: the rows' keys are then read as a
                  view of the cache, without the gather copy; else None.
     """
@@ -42,18 +59,20 @@ class VarlenPlan:
     max_q: int
     kv_len: int
     groups: int
-    mask: torch.Tensor | None
+    blocked: torch.Tensor | None
     first_slot: int | None
 
 
-def plan_varlen(slots: torch.Tensor, positions: torch.Tensor, groups: int) -> VarlenPlan:
+def plan_varlen(slots: torch.Tensor, positions: torch.Tensor, groups: int,
+                max_len: int | None = None) -> VarlenPlan:
     """Build the step layout.
 
     Args:
         slots, positions: [T] int64 (T >= 1); no (slot, position) pair twice.
         groups: query heads per KV head (>= 1).
+        max_len: the cache's position capacity (caps the padded key length).
     Raises:
-        ValueError: empty or mismatched inputs, or groups < 1.
+        ValueError: empty or mismatched inputs, groups < 1, a position >= max_len.
     """
     if slots.dim() != 1 or slots.shape != positions.shape or slots.numel() == 0:
         raise ValueError(f"slots and positions must be non-empty [T] vectors of one length, got "
@@ -63,7 +82,12 @@ def plan_varlen(slots: torch.Tensor, positions: torch.Tensor, groups: int) -> Va
     t = slots.numel()
     device = slots.device
     row_slots, inverse, counts = torch.unique(slots, return_inverse=True, return_counts=True)
-    kv_len = int(positions.max()) + 1
+    last = int(positions.max())
+    kv_len = -(-(last + 1) // KV_BLOCK) * KV_BLOCK
+    if max_len is not None:
+        if last >= max_len:
+            raise ValueError(f"position {last} does not fit a cache of {max_len} positions")
+        kv_len = min(kv_len, max_len)
     keys = torch.arange(kv_len, device=device)
     if row_slots.numel() == t:
         # Decode: one token per slot, so the token order is the row order.
@@ -80,14 +104,14 @@ def plan_varlen(slots: torch.Tensor, positions: torch.Tensor, groups: int) -> Va
         pos_grid[token_index] = positions
     r = row_slots.numel()
     if max_q == 1 and bool((pos_grid == kv_len - 1).all()):
-        mask = None
+        blocked = None
     else:
-        mask = (keys <= pos_grid[:, None]).view(r, 1, 1, max_q, kv_len)
-        mask = mask.expand(r, 1, groups, max_q, kv_len).reshape(r, 1, groups * max_q, kv_len)
+        blocked = (keys > pos_grid[:, None]).view(r, 1, 1, max_q, kv_len)
+        blocked = blocked.expand(r, 1, groups, max_q, kv_len).reshape(r, 1, groups * max_q, kv_len)
     first = int(row_slots[0])
     if r > 1 and not bool((row_slots == torch.arange(first, first + r, device=device)).all()):
         first = None
-    return VarlenPlan(row_slots, token_index, max_q, kv_len, groups, mask, first)
+    return VarlenPlan(row_slots, token_index, max_q, kv_len, groups, blocked, first)
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -100,11 +124,12 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Args:
         q: [T, Hq, D] queries (after RoPE), any float dtype.
         k_cache, v_cache: [num_slots, Hkv, max_len, D] one layer's cache (``KVCache.k[l]``);
-            must already hold this step's keys/values, and positions 0..positions[t] of
-            slots[t] must all be written.
+            must already hold this step's keys/values, positions 0..positions[t] of
+            slots[t] must all be written, and every entry must be finite (a hidden key still
+            multiplies a zero probability).
         slots, positions: [T] int64 marker of each token; ignored when ``plan`` is given.
         scale: softmax scale; None = D ** -0.5.
-        plan: ``plan_varlen(slots, positions, Hq // Hkv)``, to share across layers.
+        plan: ``plan_varlen(slots, positions, Hq // Hkv, max_len)``, to share across layers.
     Returns:
         [T, Hq, D] attention outputs in q's dtype.
     Raises:
@@ -118,7 +143,7 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if plan is None:
         if slots is None or positions is None:
             raise ValueError("varlen_attention needs slots and positions, or a plan")
-        plan = plan_varlen(slots, positions, hq // hkv)
+        plan = plan_varlen(slots, positions, hq // hkv, max_len)
     g, mq, length = plan.groups, plan.max_q, plan.kv_len
     if g * hkv != hq or length > max_len:
         raise ValueError(f"plan (groups={g}, kv_len={length}) does not fit q/caches")
@@ -135,8 +160,11 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         grid = q.new_zeros(r * mq, hq, d)
         grid[plan.token_index] = q
         grid = grid.view(r, mq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * mq, d)
-    out = F.scaled_dot_product_attention(grid, k.to(q.dtype), v.to(q.dtype),
-                                         attn_mask=plan.mask, scale=scale)
+    scores = torch.matmul(grid, k.to(q.dtype).transpose(-1, -2))
+    if plan.blocked is not None:
+        scores = scores.masked_fill(plan.blocked, float("-inf"))
+    probs = torch.softmax(scores.float() * (d ** -0.5 if scale is None else scale), dim=-1)
+    out = torch.matmul(probs.to(q.dtype), v.to(q.dtype))
     if plan.token_index is None:
         return out.reshape(t, hq, d)
     out = out.view(r, hkv, g, mq, d).permute(0, 3, 1, 2, 4).reshape(r * mq, hq, d)

@@ -11,20 +11,24 @@ Capacity is counted in tokens so schedulers can admit requests by size: ``free_t
 number of token positions in free slots (``num_free_slots * max_len``); it is back at
 ``capacity_tokens`` once every request has been freed.
 
-Memory is ``2 * num_layers * num_slots * max_len * num_kv_heads * head_dim`` elements,
-reserved with ``torch.empty`` so the operating system only backs pages that get written.
+Memory is ``2 * num_layers * num_slots * padded_len * num_kv_heads * head_dim`` elements,
+``padded_len`` being ``max_len`` rounded up to attention's ``KV_BLOCK``; it is zero-filled,
+because attention reads whole key blocks and a hidden entry still meets a zero probability
+(0 * NaN would poison the output).
 """
 from __future__ import annotations
 
 import torch
+
+from dspark_serve.engine.attention import KV_BLOCK
 
 
 class KVCache:
     """Keys and values of ``num_slots`` request slots.
 
     Attributes:
-        k, v: [num_layers, num_slots, num_kv_heads, max_len, head_dim] in the model dtype;
-            keys after RoPE (and Qwen3's k_norm). ``k[layer]`` is the layout
+        k, v: [num_layers, num_slots, num_kv_heads, padded_len, head_dim] in the model
+            dtype; keys after RoPE (and Qwen3's k_norm). ``k[layer]`` is the layout
             ``varlen_attention`` reads.
 
     Args:
@@ -42,9 +46,11 @@ class KVCache:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        shape = (num_layers, num_slots, num_kv_heads, max_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        padded_len = -(-max_len // KV_BLOCK) * KV_BLOCK
+        shape = (num_layers, num_slots, num_kv_heads, padded_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._max_len = max_len
         self.allocated = torch.zeros(num_slots, dtype=torch.bool)
         # Lowest free slot first keeps the used part of the cache compact.
         self._free = list(range(num_slots - 1, -1, -1))
@@ -64,7 +70,7 @@ class KVCache:
     @property
     def max_len(self) -> int:
         """Most token positions one request can hold (prompt + completion)."""
-        return self.k.shape[3]
+        return self._max_len
 
     @property
     def head_dim(self) -> int:
@@ -132,10 +138,10 @@ class KVCache:
 
     def write_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row indices [T * num_kv_heads] int64 of the tokens' entries in a layer's cache
-        viewed as [num_slots * num_kv_heads * max_len, head_dim] (token-major, then head);
+        viewed as [num_slots * num_kv_heads * padded_len, head_dim] (token-major, then head);
         computed once per step and passed to ``write``."""
         heads = torch.arange(self.num_kv_heads, device=slots.device)
-        rows = (slots[:, None] * self.num_kv_heads + heads) * self.max_len + positions[:, None]
+        rows = (slots[:, None] * self.num_kv_heads + heads) * self.k.shape[3] + positions[:, None]
         return rows.reshape(-1)
 
     def write(self, layer: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -147,7 +147,7 @@ class TargetModel:
                 ((logit_indices < 0) | (logit_indices >= t)).any()):
             raise ValueError(f"logit_indices must be in [0, {t})")
         hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
-        plan = plan_varlen(slots, positions, hq // hkv)
+        plan = plan_varlen(slots, positions, hq // hkv, cache.k.shape[3])
         rows = cache.write_rows(slots, positions)
         cos, sin = w.rope(positions)
         h = F.embedding(input_ids, w.embed)

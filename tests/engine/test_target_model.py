@@ -183,6 +183,26 @@ def test_bfloat16_close_to_float32_reference():
     torch.testing.assert_close(out.logits, ref, atol=0.1, rtol=0.05)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3-tied-bias"])
+def test_bfloat16_logits_do_not_depend_on_batching(name):
+    """In bfloat16 a token's logits have the same bits however the step is composed:
+    chunked prefill mixed with other requests' decode tokens, one request at a time, or a
+    whole sequence in one forward (a verify block)."""
+    model = TargetModel.from_hf(tiny_hf(name).to(torch.bfloat16))
+    prompts = [[5, 17, 3, 88, 40], list(range(20, 33)), [9, 2]]
+    outs, logits, _ = plain_decode(model, prompts, 16, chunk=3, num_slots=3)
+    alone_outs, alone_logits, _ = plain_decode(model, prompts, 16, chunk=64, num_slots=1)
+    assert outs == alone_outs
+    cache = model.new_kv_cache(1, 128)
+    slot = cache.allocate()
+    for prompt, out, mixed, alone in zip(prompts, outs, logits, alone_logits):
+        assert torch.equal(mixed, alone)
+        seq = prompt + out[:-1]
+        block = model.forward(torch.tensor(seq), torch.full((len(seq),), slot),
+                              torch.arange(len(seq)), cache).logits
+        assert torch.equal(block, mixed)
+
+
 def test_rejects_unsupported_models():
     with pytest.raises(ValueError, match="unsupported target model_type 'gpt2'"):
         load_weights(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
