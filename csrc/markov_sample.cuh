@@ -365,6 +365,7 @@ __device__ void radix_walk(SampleSmem* s, int which, int shift, bool first_pass,
   int best = cand;
 #pragma unroll
   for (int o = kWarpSize / 2; o > 0; o >>= 1) best = min(best, __shfl_xor_sync(kFullMask, best, o));
+  __syncwarp();  // every lane has read st before the winner updates it
   if (best == INT_MAX) {
     if (lane == 0) st.active = 0;  // unreachable for valid rows; keeps every token
   } else if (cand == best) {

@@ -68,6 +68,29 @@ def attention_plan(quick: bool) -> list[AttentionCase]:
     return cases[:2] if quick else cases
 
 
+def boundary_safe_uniforms(base_logits: torch.Tensor, hidden: torch.Tensor, w1: torch.Tensor,
+                           w2: torch.Tensor, anchor: torch.Tensor, sampling: SamplingTensors,
+                           uniforms: torch.Tensor, min_prob: float = 1e-3) -> torch.Tensor:
+    """Uniforms [R, gamma] that put every inverse-CDF draw of ``markov_sample_reference`` in
+    the middle of a token's interval: the drawn token if its probability is >= ``min_prob``,
+    else the most likely token. Two correct samplers that sum the CDF in different orders
+    (float32 rounding, ~1e-6) can pick neighbouring tokens when u lands on a boundary of a
+    flat distribution; with these uniforms they cannot, so tests can demand identical tokens.
+    Step k is fixed after the reference has run steps 1..k with the earlier fixed uniforms.
+    """
+    u = uniforms.clone()
+    for k in range(u.shape[1]):
+        probs = markov_sample_reference(base_logits[:, :k + 1], hidden[:, :k + 1], w1, w2, anchor,
+                                        sampling, u[:, :k + 1]).probs[:, k].double()
+        cdf = probs.cumsum(-1)
+        tok = torch.searchsorted(cdf, u[:, k:k + 1].double() * cdf[:, -1:], right=True)
+        tok = tok.clamp(max=probs.shape[1] - 1)
+        tok = torch.where(probs.gather(1, tok) >= min_prob, tok, probs.argmax(-1, keepdim=True))
+        high = cdf.gather(1, tok)
+        u[:, k] = ((2 * high - probs.gather(1, tok)) / 2 / cdf[:, -1:]).squeeze(1).float()
+    return u
+
+
 def _nonzero_randn(*shape, dtype, generator, scale=1.0) -> torch.Tensor:
     x = torch.randn(*shape, device=generator.device, generator=generator) * scale
     return torch.where(x == 0, 1e-3, x).to(dtype)
@@ -89,7 +112,8 @@ def prepare_markov(case: MarkovCase, flashinfer, device: str = "cuda") -> Prepar
     """Inputs and callables of a Markov sampling case (``flashinfer``: the module or None)."""
     dt, r, g, v = torch.bfloat16, case.rows, case.gamma, case.vocab
     gen = torch.Generator(device=device).manual_seed(case.rows * 1000 + case.gamma)
-    base = _nonzero_randn(r, g, v, dtype=dt, scale=2.0, generator=gen)
+    # Peaked like an LLM's logits (top token ~0.1-0.5), not a flat random distribution.
+    base = _nonzero_randn(r, g, v, dtype=dt, scale=4.0, generator=gen)
     hidden = _nonzero_randn(r, g, MARKOV_HIDDEN, dtype=dt, generator=gen)
     w1 = _nonzero_randn(v, MARKOV_RANK, dtype=dt, generator=gen)
     w2 = _nonzero_randn(v, MARKOV_RANK, dtype=dt, scale=0.1, generator=gen)
@@ -112,6 +136,7 @@ def prepare_markov(case: MarkovCase, flashinfer, device: str = "cuda") -> Prepar
         return markov_sample_reference(base, hidden, w1, w2, anchor, sampling, u, cw, cb)
 
     def check():
+        u.copy_(boundary_safe_uniforms(base, hidden, w1, w2, anchor, sampling, u))
         outs[0].fill_(-7)
         outs[1].fill_(float("nan"))
         outs[2].fill_(float("nan"))

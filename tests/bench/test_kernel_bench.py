@@ -6,8 +6,10 @@ import torch
 
 from dspark_serve.bench import kernels
 from dspark_serve.bench.kernel_cases import (MARKOV_HIDDEN, MARKOV_RANK, AttentionCase, MarkovCase,
-                                             attention_plan, markov_plan, prepare_attention,
-                                             prepare_markov)
+                                             attention_plan, boundary_safe_uniforms, markov_plan,
+                                             prepare_attention, prepare_markov)
+from dspark_serve.ops import markov_sample_reference
+from dspark_serve.types import SamplingTensors
 
 
 def test_dry_run_prints_plan_and_touches_no_gpu(capsys, monkeypatch, tmp_path):
@@ -50,3 +52,22 @@ def test_table_format():
     row = kernels.format_table([record]).splitlines()[1]
     assert row.split()[:8] == ["markov", "R=1", "ok", "0.500", "2.000", "4.0", "0.250", "50%"]
     assert "flashinfer top-p loop 0.750" in row and "x n/a: ImportError" in row
+
+
+def test_boundary_safe_uniforms_center_every_draw():
+    g = torch.Generator().manual_seed(0)
+    rows, gamma, vocab, rank = 4, 5, 3000, 16
+    args = (torch.randn(rows, gamma, vocab, generator=g), torch.zeros(rows, gamma, 0),
+            torch.randn(vocab, rank, generator=g), torch.randn(vocab, rank, generator=g) * 0.25,
+            torch.randint(0, vocab, (rows,), generator=g))
+    sampling = SamplingTensors.uniform(rows, temperature=1.0, top_p=0.9)
+    u = boundary_safe_uniforms(*args, sampling, torch.rand(rows, gamma, generator=g))
+    block = markov_sample_reference(*args, sampling, u)
+    for r in range(rows):
+        for k in range(gamma):
+            p = block.probs[r, k].double()
+            cdf, t = p.cumsum(0), int(block.tokens[r, k])
+            x = float(u[r, k]) * float(cdf[-1])
+            assert p[t] >= 1e-3 or t == int(p.argmax())
+            # The draw sits at the middle of its token's interval, far from either boundary.
+            assert min(x - float(cdf[t] - p[t]), float(cdf[t]) - x) > 0.49 * float(p[t])

@@ -6,6 +6,7 @@ import unittest
 
 import torch
 
+from dspark_serve.bench.kernel_cases import boundary_safe_uniforms
 from dspark_serve.ops import cuda_ops_available, markov_sample_reference, philox_uniforms
 from dspark_serve.types import SamplingTensors
 
@@ -25,7 +26,8 @@ RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
 
 
 def make_case(rows, gamma, vocab, rank, d, dtype, seed):
-    """Random non-zero inputs on the GPU plus per-row sampling parameters and uniforms."""
+    """Random non-zero inputs on the GPU (logits peaked like an LLM's), per-row sampling
+    parameters, and uniforms that keep every draw away from CDF rounding ties."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -34,14 +36,17 @@ def make_case(rows, gamma, vocab, rank, d, dtype, seed):
 
     cfg = [CONFIGS[i % len(CONFIGS)] for i in range(rows)]
     sampling = SamplingTensors(*(torch.tensor(col, device="cuda") for col in zip(*cfg)))
-    return dict(base_logits=randn(rows, gamma, vocab, scale=2.0), hidden=randn(rows, gamma, d),
-                w1=randn(vocab, rank), w2=randn(vocab, rank, scale=0.2),
+    case = dict(base_logits=randn(rows, gamma, vocab, scale=4.0), hidden=randn(rows, gamma, d),
+                w1=randn(vocab, rank), w2=randn(vocab, rank, scale=rank ** -0.5),
                 anchor=torch.randint(0, vocab, (rows,), generator=g, device="cuda"),
                 sampling=sampling,
                 uniforms=philox_uniforms(
                     torch.arange(rows, device="cuda") + seed,
                     torch.zeros(rows, dtype=torch.int64, device="cuda"), gamma),
                 conf_weight=randn(d + rank), conf_bias=randn(1))
+    case["uniforms"] = boundary_safe_uniforms(case["base_logits"], case["hidden"], case["w1"],
+                                              case["w2"], case["anchor"], sampling, case["uniforms"])
+    return case
 
 
 def run_kernel(case, launch_mode, outputs=None):

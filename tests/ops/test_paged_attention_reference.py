@@ -129,3 +129,19 @@ def test_bad_inputs():
         varlen_attention(q, marker.float(), k_cache, v_cache, page_table)
     with pytest.raises(ValueError, match="num_splits"):
         varlen_attention(q, marker, k_cache, v_cache, page_table, num_splits=65)
+
+
+def test_engine_cache_layout_as_one_page_per_slot():
+    # The engine's contiguous [num_slots, Hkv, max_len, D] cache is a paged cache with
+    # page_size = max_len once permuted to [num_slots, max_len, Hkv, D] (strides allowed).
+    engine_attention = pytest.importorskip("dspark_serve.engine.attention")
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(4, 2, 30, 16, generator=g)
+    v = torch.randn(4, 2, 30, 16, generator=g)
+    slots = torch.tensor([2, 0, 2, 3, 2])
+    positions = torch.tensor([7, 0, 8, 29, 9])
+    q = torch.randn(5, 6, 16, generator=g)
+    out = varlen_attention(q, torch.stack([slots, positions], dim=1), k.permute(0, 2, 1, 3),
+                           v.permute(0, 2, 1, 3), torch.arange(4)[:, None])
+    expected = engine_attention.varlen_attention(q, k, v, slots, positions)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
