@@ -147,7 +147,7 @@ class DistributionOracle:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, cache, slots, anchors, anchor_positions, sampling, uniforms) -> DraftBlock:
-        gamma = uniforms.shape[1]
+        gamma = self.engine.gamma  # the speculator uses only the block's first gamma positions
         reqs = _slot_requests(self.engine, slots, anchors, anchor_positions, cache)
         tokens = torch.empty(len(reqs), gamma, dtype=torch.int64)
         probs = torch.empty(len(reqs), gamma, self.engine.vocab_size)

@@ -1,0 +1,193 @@
+"""Temperature-1 losslessness of the embedded engine on the real default model.
+
+One short prompt, sampled thousands of times (unseeded) at temperature 1 with top-k = 3, four
+tokens each. Tokens 2-4 come out of verify rounds: the oracle drafter proposes from a draft
+distribution q = (p + u) / 2 (p the target's own warped conditional, u uniform over the
+target's 2k most likely raw tokens, half of them outside the top-k support), so drafts are
+accepted, rejected (residual sampling) and followed by bonus tokens. With top-k the exact
+distribution of the 4-token output is a finite product of target conditionals, computed here
+by direct target forwards; outputs are binned into its 20 most likely sequences + other.
+
+Bounds: each chi-square p-value must exceed 1e-3 (a false alarm at most 1 in 1000 per check
+for a correct engine), and a verifier that resamples rejected positions from p instead of the
+residual max(0, p - q) must be rejected at p < 1e-3.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import dspark_serve.engine.llm_engine as llm_engine
+from dspark_serve.engine.params import SamplingParams
+from dspark_serve.sampling.sampler import sample_from_probs
+from dspark_serve.types import VerifyResult
+
+pytestmark = [pytest.mark.slow, pytest.mark.lossless]
+
+PROMPT = "Once upon"
+TOP_K = 3
+MAX_TOKENS = 4
+NUM_SAMPLES = 600  # per run; the broken-verifier check shows the power at this size
+NUM_BINS = 20
+P_MIN = 1e-3
+PARAMS = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def engines(make_engine):
+    """(plain, dspark) engines: gamma 2, every draft verified (static scheduler)."""
+    sizes = dict(max_num_seqs=128, max_model_len=16)
+    return (make_engine(speculative="none", **sizes),
+            make_engine(speculative="dspark", scheduler="static", gamma=2, **sizes))
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(engines) -> list[int]:
+    return engines[0].tokenizer.encode(PROMPT, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def conditionals(engines, prompt_ids) -> dict[tuple[int, ...], torch.Tensor]:
+    """Raw temperature-1 target probabilities [V] after every output prefix of length
+    0..MAX_TOKENS-1 whose tokens are all in their top-k, by direct target forwards (one
+    forward per prefix length, each sequence in its own scratch cache slot)."""
+    target = engines[0].target
+    probs, level = {}, [()]
+    for _ in range(MAX_TOKENS):
+        cache = target.new_kv_cache(len(level), len(prompt_ids) + MAX_TOKENS)
+        ids, slots, pos, last = [], [], [], []
+        for prefix in level:
+            seq = prompt_ids + list(prefix)
+            slot = cache.allocate()
+            ids += seq
+            slots += [slot] * len(seq)
+            pos += range(len(seq))
+            last.append(len(ids) - 1)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)
+        logits = target.forward(as_tensor(ids), as_tensor(slots), as_tensor(pos), cache,
+                                as_tensor(last)).logits
+        rows = torch.softmax(logits.double(), dim=-1).float()
+        probs.update(zip(level, rows))
+        level = [p + (t,) for p, row in zip(level, rows) for t in row.topk(TOP_K).indices.tolist()]
+    return probs
+
+
+def top_k_probs(row: torch.Tensor) -> torch.Tensor:
+    values, ids = row.topk(TOP_K)
+    out = torch.zeros_like(row)
+    out[ids] = values / values.sum()
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact(conditionals) -> dict[tuple[int, ...], float]:
+    """Probability of every possible output (TOP_K ** MAX_TOKENS sequences)."""
+    seqs = {(): 1.0}
+    for _ in range(MAX_TOKENS):
+        seqs = {s + (t,): p * float(q[t]) for s, p in seqs.items()
+                for q in [top_k_probs(conditionals[s])] for t in q.nonzero().flatten().tolist()}
+    assert abs(sum(seqs.values()) - 1.0) < 1e-6
+    return seqs
+
+
+@pytest.fixture(scope="module")
+def bins(exact) -> list[tuple[int, ...]]:
+    return sorted(exact, key=exact.get, reverse=True)[:NUM_BINS]
+
+
+def histogram(samples: list[tuple[int, ...]], bins) -> np.ndarray:
+    """Counts of the NUM_BINS binned sequences, then of all others."""
+    index = {s: i for i, s in enumerate(bins)}
+    counts = np.zeros(len(bins) + 1, dtype=np.int64)
+    for s in samples:
+        counts[index.get(s, len(bins))] += 1
+    return counts
+
+
+def goodness_of_fit(samples, exact, bins) -> float:
+    """Chi-square p-value of the samples against the exact binned distribution."""
+    p = np.array([exact[s] for s in bins] + [1.0 - sum(exact[s] for s in bins)])
+    counts = histogram(samples, bins)
+    assert (p * counts.sum()).min() >= 5, "expected counts too small for chi-square"
+    return stats.chisquare(counts, p * counts.sum()).pvalue
+
+
+def draft_distribution(conditionals, vocab_size: int):
+    """q(prefix) = 0.2 p + 0.8 u, u uniform over the target's raw ranks 2..2k: far from p (the
+    target's favourite is under-proposed, tokens outside the top-k are proposed and always
+    rejected), so acceptance, rejection and residual sampling all happen. Prefixes without a
+    known conditional get u of the prompt's ranks (any q keeps verification lossless)."""
+    def uniform_over(row):
+        u = torch.zeros(vocab_size)
+        u[row.topk(2 * TOP_K).indices[1:]] = 1.0 / (2 * TOP_K - 1)
+        return u
+
+    fallback = uniform_over(conditionals[()])
+    cache = {}
+
+    def q(prefix: tuple[int, ...]) -> torch.Tensor:
+        if prefix not in conditionals:
+            return fallback
+        if prefix not in cache:
+            row = conditionals[prefix]
+            cache[prefix] = 0.2 * top_k_probs(row) + 0.8 * uniform_over(row)
+        return cache[prefix]
+
+    return q
+
+
+def draw(engine, generate, prompt_ids, n: int) -> tuple[list[tuple[int, ...]], float]:
+    """n unseeded outputs of the prompt, and their mean accepted length tau."""
+    out = generate(engine, {f"s{i}": prompt_ids for i in range(n)}, PARAMS)
+    assert all(len(c.token_ids) == MAX_TOKENS for c in out.values())
+    tau = float(np.mean([c.accepted_length for c in out.values()]))
+    return [tuple(c.token_ids) for c in out.values()], tau
+
+
+@pytest.fixture(scope="module")
+def plain_samples(engines, generate, prompt_ids):
+    return draw(engines[0], generate, prompt_ids, NUM_SAMPLES)[0]
+
+
+def test_plain_sampling_matches_exact(plain_samples, exact, bins):
+    assert goodness_of_fit(plain_samples, exact, bins) > P_MIN
+
+
+def test_speculative_sampling_matches_plain(engines, generate, prompt_ids, conditionals, exact,
+                                            bins, plain_samples, distribution_oracle,
+                                            use_oracle):
+    engine = engines[1]
+    use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
+                                                                      engine.vocab_size), seed=5))
+    samples, tau = draw(engine, generate, prompt_ids, NUM_SAMPLES)
+    # Between "every draft rejected" (1) and "every draft accepted" (2 drafts + bonus, 3).
+    assert 1.1 < tau < 2.7, tau
+    assert goodness_of_fit(samples, exact, bins) > P_MIN
+    table = np.stack([histogram(samples, bins), histogram(plain_samples, bins)])
+    assert stats.chi2_contingency(table).pvalue > P_MIN
+
+
+def _resample_from_target(rejection_sample):
+    """A broken verifier: a rejected position is resampled from p, not max(0, p - q)."""
+    def broken(target_probs, draft_tokens, draft_probs, lengths, u_accept, u_final):
+        result = rejection_sample(target_probs, draft_tokens, draft_probs, lengths, u_accept,
+                                  u_final)
+        rows = (result.num_accepted < lengths).nonzero().flatten()
+        cols = result.num_accepted[rows]
+        tokens = result.tokens.clone()
+        tokens[rows, cols] = sample_from_probs(target_probs[rows, cols], u_final[rows])
+        return VerifyResult(result.num_accepted, tokens, result.num_tokens)
+    return broken
+
+
+def test_broken_verifier_is_detected(engines, generate, prompt_ids, conditionals, exact, bins,
+                                     distribution_oracle, use_oracle, monkeypatch):
+    engine = engines[1]
+    use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
+                                                                      engine.vocab_size), seed=6))
+    monkeypatch.setattr(llm_engine, "rejection_sample",
+                        _resample_from_target(llm_engine.rejection_sample))
+    samples, _ = draw(engine, generate, prompt_ids, NUM_SAMPLES)
+    assert goodness_of_fit(samples, exact, bins) < P_MIN
