@@ -26,13 +26,13 @@ def latest_checkpoint(out: str | Path) -> Path | None:
 
 
 def save_checkpoint(out: Path, step: int, drafter: DSparkDrafter, optimizer, scheduler,
-                    cfg, keep: int) -> Path:
+                    cfg, keep: int, total_steps: int) -> Path:
     """Write ``step-{step}`` atomically (temporary folder, then rename); prune older ones."""
     final = out / f"step-{step:06d}"
     tmp = out / f".tmp-step-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(drafter, tmp)
-    torch.save({"step": step, "optimizer": optimizer.state_dict(),
+    torch.save({"step": step, "total_steps": total_steps, "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(), "config": asdict(cfg)}, tmp / STATE_FILE)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

@@ -5,7 +5,7 @@ yields the hidden taps of every token (the drafter's context, Eq 2) and the targ
 the positions each draft is trained against. Nothing is cached between steps: a step holds
 the taps of its own sequences only (S * L * n_taps * hidden values in the target dtype, e.g.
 4 x 768 x 5 x 576 x 2 bytes = 17.7 MB in bf16) plus the target KV cache of those sequences
-(2 * layers * S * L * kv_heads * head_dim values, 106 MB for SmolLM2-135M) and the
+(2 * layers * S * L * kv_heads * head_dim values, 71 MB for SmolLM2-135M) and the
 [R, gamma, V] float32 logits (88 MB for 64 blocks of 7 over a 49k vocabulary). Caching taps
 and target distributions on disk instead would cost (n_taps + 1) * hidden * 2 bytes per token
 (6.9 KB for SmolLM2-135M in bf16, storing the final hidden state and applying the LM head on

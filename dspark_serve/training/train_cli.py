@@ -26,6 +26,8 @@ _HELP = {
     "seed": "seed of init, data order and anchors",
     "save_every": "checkpoint every N steps", "log_every": "log every N steps",
     "keep": "checkpoints kept",
+    "time_budget_minutes": "fit the run into this wall time: time the first steps, then lower "
+                           "--steps once (default: run all --steps)",
 }
 
 

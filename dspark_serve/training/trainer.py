@@ -10,7 +10,9 @@ seeded by (seed, i), so a resumed run continues exactly where it stopped.
 Output folder: ``step-NNNNNN/`` checkpoints (DeepSpec format in float32, written by
 ``save_drafter``, plus ``trainer_state.pt`` with the optimizer, scheduler and step; the last
 ``keep`` are kept), ``train_log.jsonl`` (loss terms, per-step seconds) and, at the end,
-``final/``: the drafter in bfloat16, the folder to ship.
+``final/``: the drafter in bfloat16, the folder to ship. With ``time_budget_minutes`` the run
+times its first steps and lowers the step count once so the whole run fits the budget (the
+cosine schedule then ends on time); the chosen count is stored in every checkpoint.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ from dspark_serve.training.dataset import Sequence, load_sequences
 from dspark_serve.training.forward import drafter_forward
 from dspark_serve.training.losses import ALPHA_CE, ALPHA_CONF, ALPHA_TV, drafter_loss
 from dspark_serve.training.target_features import target_features
+
+# steps timed (after the first) before a time budget fixes the step count
+_PROBE_STEPS = 3
 
 @dataclass
 class TrainConfig:
@@ -57,6 +62,7 @@ class TrainConfig:
     save_every: int = 250
     log_every: int = 10
     keep: int = 2
+    time_budget_minutes: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("dspark", "dflash"):
@@ -64,6 +70,8 @@ class TrainConfig:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "save_every", "log_every", "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.time_budget_minutes is not None and not self.time_budget_minutes > 0:
+            raise ValueError(f"time_budget_minutes must be > 0, got {self.time_budget_minutes}")
         dflash = self.kind == "dflash"
         # DFlash baseline: CE only (no target distribution term, no confidence head)
         for name, dspark_default, dflash_default in (("alpha_ce", ALPHA_CE, 1.0),
@@ -191,19 +199,23 @@ def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
+    # total steps; a time budget may lower it once, after the first timed steps
+    plan = {"total": cfg.steps, "fixed": cfg.time_budget_minutes is None}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, cfg.steps, cfg.warmup_ratio))
+        optimizer, lambda s: lr_lambda(s, plan["total"], cfg.warmup_ratio))
     start = 0
     if resume_from is not None:
         state = torch.load(resume_from / STATE_FILE, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = int(state["step"])
+        plan.update(total=int(state.get("total_steps", cfg.steps)), fixed=True)
     autocast = target.dtype == torch.bfloat16
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
-               desc=f"train {cfg.kind}")
+    bar = tqdm(initial=start, total=plan["total"], disable=not progress, desc=f"train {cfg.kind}")
+    began, timed = time.perf_counter(), []
     with open(out / "train_log.jsonl", "a", encoding="utf-8") as log:
-        for step in bar:
+        step = start
+        while step < plan["total"]:
             t0, c0 = time.perf_counter(), time.process_time()
             batch = batch_for_step(sequences, step, cfg.seqs_per_step, cfg.seed)
             loss, t_target, blocks = train_step(drafter, target, batch, cfg, step, autocast)
@@ -213,9 +225,19 @@ def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
             optimizer.step()
             scheduler.step()
             seconds = time.perf_counter() - t0
+            timed.append(seconds)
+            if not plan["fixed"] and len(timed) == _PROBE_STEPS + 1:
+                # the first step pays one-off start-up costs: time the next ones
+                per_step = sum(timed[1:]) / _PROBE_STEPS
+                left = 60 * cfg.time_budget_minutes - (time.perf_counter() - began)
+                plan.update(total=min(cfg.steps, step + 1 + max(0, int(left / per_step))),
+                            fixed=True)
+                bar.total = plan["total"]
+                bar.write(f"time budget: {per_step:.2f} s/step -> {plan['total']} steps")
+            bar.update(1)
             bar.set_postfix(loss=f"{float(loss.total.detach()):.3f}", ce=f"{float(loss.ce):.2f}",
                             tau=f"{loss.expected_tau:.2f}", refresh=False)
-            if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            if (step + 1) % cfg.log_every == 0 or step + 1 == plan["total"]:
                 log.write(json.dumps({
                     "step": step + 1, "loss": float(loss.total.detach()), "ce": float(loss.ce),
                     "tv": float(loss.tv), "conf": float(loss.conf),
@@ -224,8 +246,11 @@ def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
                     "blocks": blocks, "seconds": seconds, "target_seconds": t_target,
                     "cpu_seconds": time.process_time() - c0}) + "\n")
                 log.flush()
-            if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-                save_checkpoint(out, step + 1, drafter, optimizer, scheduler, cfg, cfg.keep)
+            if (step + 1) % cfg.save_every == 0 or step + 1 == plan["total"]:
+                save_checkpoint(out, step + 1, drafter, optimizer, scheduler, cfg, cfg.keep,
+                                total_steps=plan["total"])
+            step += 1
+    bar.close()
     final = out / "final"
     shipped = DSparkDrafter(drafter.config, *drafter.shared_modules)
     shipped.load_state_dict(drafter.state_dict())

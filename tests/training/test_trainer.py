@@ -94,3 +94,15 @@ def test_data_order_and_schedule(tmp_path, write_sequences):
     assert lr_lambda(0, 100, 0.04) == pytest.approx(0.25)
     assert lr_lambda(3, 100, 0.04) == pytest.approx(1.0)
     assert lr_lambda(99, 100, 0.04) == pytest.approx(0.5 * (1 + math.cos(math.pi * 95 / 96)))
+
+
+def test_time_budget_lowers_the_step_count_once(tmp_path, make_target, make_drafter,
+                                                write_sequences):
+    write_sequences(tmp_path / "data", n=4)
+    target = make_target()
+    # a budget already spent after the timed probe steps: the run stops right there
+    cfg = _config(tmp_path, steps=500, time_budget_minutes=1e-4, save_every=100)
+    train(cfg, progress=False, models=(target, make_drafter(target)))
+    assert [r["step"] for r in _log(tmp_path / "run")] == [1, 2, 3, 4]
+    state = torch.load(tmp_path / "run" / "step-000004" / "trainer_state.pt", weights_only=False)
+    assert state["total_steps"] == 4

@@ -1,0 +1,54 @@
+"""Prompt split, sampling shares and the resumable record file of gen-data."""
+import json
+
+import pytest
+
+from dspark_serve.training.dataset import (SEQUENCES_FILE, append_record, load_sequences,
+                                           read_records)
+from dspark_serve.training.gen_data import GenDataConfig, prepare_split, sampling_for, split_prompts
+
+
+def test_split_deduplicates_and_is_seeded_and_disjoint():
+    prompts = ["a", " a ", "b", "", "c", "a", "d", "e", "f"]
+    unique, m = split_prompts(prompts, num_prompts=5, heldout=2, seed=1)
+    assert unique == ["a", "b", "c", "d", "e"]
+    assert len(m["heldout"]) == 2 and len(m["train"]) == 3
+    assert sorted(m["heldout"] + m["train"]) == list(range(5))
+    assert split_prompts(prompts, 5, 2, 1)[1] == m
+    with pytest.raises(ValueError, match="held-out"):
+        split_prompts(["x", "y"], 5, 2, 0)
+
+
+def test_resume_refuses_a_different_split(tmp_path):
+    prompts = [f"p{i}" for i in range(20)]
+    prepare_split(GenDataConfig(out=str(tmp_path), num_prompts=20, heldout=5), prompts)
+    prepare_split(GenDataConfig(out=str(tmp_path), num_prompts=20, heldout=5), prompts)
+    with pytest.raises(ValueError, match="new --out"):
+        prepare_split(GenDataConfig(out=str(tmp_path), num_prompts=20, heldout=6), prompts)
+
+
+def test_greedy_share_is_seeded_and_close_to_the_fraction():
+    cfg = GenDataConfig(out="x", greedy_fraction=0.25, seed=3)
+    picks = [sampling_for(i, cfg) for i in range(4000)]
+    assert picks == [sampling_for(i, cfg) for i in range(4000)]
+    assert set(picks) == {(0.0, 1.0), (0.2, 0.9)}
+    greedy = sum(p == (0.0, 1.0) for p in picks)
+    # binomial(4000, 0.25): mean 1000, sd 27.4; 5 sd bounds
+    assert 863 < greedy < 1137
+
+
+def test_torn_last_line_is_dropped_and_truncated(tmp_path):
+    with open(tmp_path / SEQUENCES_FILE, "a", encoding="utf-8") as f:
+        for i in range(2):
+            append_record(f, {"index": i, "prompt_ids": [5, 6], "response_ids": [7, 8, 9],
+                              "temperature": 0.0, "top_p": 1.0, "finish_reason": "stop"})
+    with open(tmp_path / SEQUENCES_FILE, "ab") as f:
+        f.write(b'{"index": 2, "prompt_')
+    assert [r["index"] for r in read_records(tmp_path)] == [0, 1]
+    assert (tmp_path / SEQUENCES_FILE).read_bytes().endswith(b"}\n")
+    seqs = load_sequences(tmp_path, max_len=4)
+    assert seqs[0].ids.tolist() == [5, 6, 7, 8]
+    assert seqs[0].loss_mask.tolist() == [False, False, True, True]
+    with pytest.raises(ValueError, match="no usable"):
+        load_sequences(tmp_path, max_len=3)
+    assert json.loads((tmp_path / SEQUENCES_FILE).read_text().splitlines()[0])["index"] == 0
