@@ -234,3 +234,51 @@ def test_forward_rejects_bad_inputs():
         model.forward(torch.tensor([1]), torch.tensor([1]), pos, cache)
     with pytest.raises(ValueError, match="positions"):
         model.forward(torch.tensor([1]), one, torch.tensor([8]), cache)
+
+
+QUESTIONS = ["What is the capital of France?",
+             "Write a Python function that checks whether a number is prime.",
+             "Explain photosynthesis to a child in three sentences."]
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    """(path, transformers model in float32, chat prompts as token ids) of SmolLM2-135M."""
+    from transformers import AutoTokenizer
+
+    from dspark_serve.models.default_model import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}],
+                                       add_generation_prompt=True, tokenize=True)["input_ids"]
+               for q in QUESTIONS]
+    return path, AutoModelForCausalLM.from_pretrained(path).eval(), prompts
+
+
+@pytest.mark.slow
+def test_default_model_float32_matches_transformers(default_model):
+    _, hf, prompts = default_model
+    model = TargetModel.from_hf(hf)
+    outs, logits, _ = plain_decode(model, prompts, 32, chunk=16, num_slots=2)
+    check_against_hf(hf, prompts, outs, logits, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_default_model_bfloat16_invariant_and_close(default_model):
+    """bfloat16: logits bit-identical between mixed decoding and one verify-style forward;
+    against the float32 reference (measured: top-1 agreement 98.5-100 %, mean |diff| 0.13-0.16
+    on these prompts) within loose bounds."""
+    path, hf, prompts = default_model
+    model = TargetModel.from_pretrained(path, dtype="bfloat16")
+    outs, logits, _ = plain_decode(model, prompts, 32, chunk=16, num_slots=2)
+    cache = model.new_kv_cache(1, 128)
+    slot = cache.allocate()
+    for prompt, out, ours in zip(prompts, outs, logits):
+        seq = prompt + out[:-1]
+        block = model.forward(torch.tensor(seq), torch.full((len(seq),), slot),
+                              torch.arange(len(seq)), cache).logits
+        assert torch.equal(block, ours)
+        ref = hf_logits(hf, seq)
+        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+        assert (ours - ref).abs().mean() < 0.3
