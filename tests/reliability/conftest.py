@@ -99,6 +99,7 @@ class OracleDrafter:
         self.drafter = drafter
         self.engine = engine
         self.mode = "greedy"
+        self.proposed = 0  # tokens proposed from recordings so far (all modes)
         self.next_token: dict[tuple[int, ...], int] = {}
         self.ranked: dict[tuple[int, ...], list[tuple[int, float]]] = {}
 
@@ -106,12 +107,14 @@ class OracleDrafter:
         return getattr(self.drafter, name)
 
     def learn(self, prompt_ids: list[int], output_ids: list[int],
-              top_logprobs: list[dict[int, float]]) -> None:
-        """Record a finished greedy request (later recordings of a history win)."""
+              top_logprobs: list[dict[int, float]], overwrite: bool = True) -> None:
+        """Record a finished request's continuation (with ``overwrite``, later recordings of a
+        history win; without, earlier ones, e.g. greedy over sampled)."""
         seq = list(prompt_ids) + list(output_ids)
         for i, token in enumerate(output_ids):
             key = tuple(seq[:len(prompt_ids) + i])
-            self.next_token[key] = token
+            if overwrite or key not in self.next_token:
+                self.next_token[key] = token
             if i < len(top_logprobs) and top_logprobs[i]:
                 self.ranked[key] = sorted(top_logprobs[i].items(), key=lambda kv: -kv[1])
 
@@ -143,6 +146,7 @@ class OracleDrafter:
             assert len(history) == int(anchor_positions[i]) + 1
             proposal = self._proposal(history, int(sampling.top_k[i]), float(sampling.top_p[i]),
                                       float(sampling.min_p[i]))
+            self.proposed += len(proposal)
             for k, t in enumerate(proposal):
                 tokens[i, k] = t
                 probs[i, k] = 0.0
