@@ -8,6 +8,7 @@ import importlib
 # benchmark name -> module providing add_parser()
 BENCHMARKS = {
     "scheduler": "dspark_serve.bench.scheduler",
+    "serving": "dspark_serve.bench.serving",
 }
 
 

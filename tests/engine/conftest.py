@@ -46,19 +46,24 @@ class Completion:
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]],
              params: SamplingParams | dict[str, SamplingParams]) -> dict[str, Completion]:
-    """Add every prompt (request id -> token ids), step until all finish, collect outputs."""
-    for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params[rid] if isinstance(params, dict) else params)
+    """Add every prompt (request id -> token ids), step until all finish, collect outputs.
+    On an error the engine's requests are aborted, so a shared engine stays usable."""
     done = {rid: Completion() for rid in prompts}
-    while engine.has_unfinished():
-        for out in engine.step():
-            c = done[out.request_id]
-            c.token_ids += out.new_token_ids
-            c.text += out.new_text
-            c.deltas.append(len(out.new_token_ids))
-            c.finish_reason = out.finish_reason
-            c.accepted_length = out.stats.accepted_length
-    engine.pop_step_stats()
+    try:
+        for rid, ids in prompts.items():
+            engine.add_request(rid, ids, params[rid] if isinstance(params, dict) else params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                c = done[out.request_id]
+                c.token_ids += out.new_token_ids
+                c.text += out.new_text
+                c.deltas.append(len(out.new_token_ids))
+                c.finish_reason = out.finish_reason
+                c.accepted_length = out.stats.accepted_length
+    finally:
+        for r in engine.waiting + engine.running:
+            engine.abort_request(r.request_id)
+        engine.pop_step_stats()
     return done
 
 

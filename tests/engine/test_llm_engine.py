@@ -122,7 +122,7 @@ def test_stops_inside_accepted_blocks(engine_for, generate, mtbench_prompts, gre
     assert [c.finish_reason for c in expected.values()] == ["length", "stop", "stop", "stop"]
 
     engine = engine_for("dspark", "async")
-    # The oracle continues past each end (with the plain run's tokens, then its reference).
+    # Each oracle block runs on past the end (the EOS answer is followed by itself again).
     refs = {ids[0]: ref0, ids[1]: ref1, ids[2]: ref2,
             "eos": expected["eos"].token_ids + expected["eos"].token_ids}
     use_oracle(engine, reference_oracle(engine, refs, corrupt=0.0, seed=3, conf_logit=6.0))

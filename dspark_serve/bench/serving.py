@@ -1,0 +1,234 @@
+"""``dspark-serve bench serving``: decoding speed of the embedded engine, in process (no HTTP),
+for plain decoding vs DSpark (and DFlash) at several concurrencies.
+
+For each mode one engine is built, warmed up with a short request, and then, per concurrency
+C, C requests (the first C MT-Bench first turns in the target's chat template, greedy,
+``ignore_eos`` so each yields exactly ``--max-tokens`` tokens) are submitted at once and run
+to completion. Reported per cell:
+
+- tok/s/user: mean over requests of (tokens - 1) / (last token time - first token time), the
+  decode rate one user sees after the first token;
+- agg tok/s: all output tokens / wall time of the batch (prefill included);
+- TTFT: mean time to the first token; tau: mean accepted length (tokens per verify round);
+- step ms: mean engine step time.
+
+``--profile`` runs the torch profiler over one decode step of every mode at the largest
+concurrency (after the prompts are prefilled) and prints where the time goes: the engine
+phases (draft + schedule, target forward, verify, drafter context update) and the top
+operators by self CPU time.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dspark_serve.engine.config import SCHEDULERS, DTYPES, EngineConfig
+from dspark_serve.engine.params import SamplingParams
+
+MODES = ("none", "dspark", "dflash")
+DEFAULT_CONCURRENCY = (1, 4, 16)
+PHASES = {"_propose": "draft+schedule", "_verify": "verify"}
+
+
+@dataclass
+class CellResult:
+    """One (mode, concurrency) measurement (see the module docstring)."""
+
+    mode: str
+    concurrency: int
+    output_tokens: int
+    wall_s: float
+    user_tok_s: float
+    agg_tok_s: float
+    ttft_s: float
+    tau: float
+    step_ms: float
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    """Token ids of the first ``count`` MT-Bench first turns (cycled if count > 80)."""
+    from dspark_serve.data.prompt_sets import load_prompts
+
+    texts = load_prompts("mtbench")
+    ids = []
+    for i in range(count):
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": texts[i % len(texts)]}],
+                                             tokenize=False, add_generation_prompt=True)
+        ids.append(tokenizer.encode(chat, add_special_tokens=False))
+    return ids
+
+
+def run_batch(engine, prompts: list[list[int]], max_tokens: int, mode: str) -> CellResult:
+    """Submit every prompt at once, step to completion, and time it."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"bench-{i}", ids, params)
+    first, last, count, tau = {}, {}, {}, {}
+    steps = 0
+    while engine.has_unfinished():
+        outputs = engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                count[out.request_id] = count.get(out.request_id, 0) + len(out.new_token_ids)
+            tau[out.request_id] = out.stats.accepted_length
+    wall = time.perf_counter() - start
+    engine.pop_step_stats()
+    rates = [(count[r] - 1) / (last[r] - first[r]) for r in count
+             if count[r] > 1 and last[r] > first[r]]
+    total = sum(count.values())
+    return CellResult(mode, len(prompts), total, wall,
+                      statistics.mean(rates) if rates else 0.0, total / wall,
+                      statistics.mean(first[r] - start for r in first),
+                      statistics.mean(tau.values()), 1000 * wall / steps)
+
+
+@contextlib.contextmanager
+def _annotated_phases(engine):
+    """Label the engine's phases in profiler traces (instance attributes, removed on exit)."""
+    targets = [(engine, name, label) for name, label in PHASES.items()]
+    targets.append((engine.target, "forward", "target forward"))
+    if engine.speculator is not None:
+        targets.append((engine.speculator, "extend", "drafter context"))
+
+    def labelled(fn, label):
+        def call(*args, **kwargs):
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    for obj, name, label in targets:
+        setattr(obj, name, labelled(getattr(obj, name), label))
+    try:
+        yield
+    finally:
+        for obj, name, _ in targets:
+            delattr(obj, name)
+
+
+def profile_step(engine, prompts: list[list[int]], rows: int = 15) -> str:
+    """Profiler summary of one decode step with every prompt decoding."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"profile-{i}", ids, params)
+    while any(r.prefilling for r in engine.running + engine.waiting):
+        engine.step()
+    engine.step()  # one decode step untimed
+    with _annotated_phases(engine), profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        engine.step()
+        step_ms = 1000 * (time.perf_counter() - start)
+    for r in list(engine.running):
+        engine.abort_request(r.request_id)
+    engine.pop_step_stats()
+    events = prof.key_averages()
+    labels = set(PHASES.values()) | {"target forward", "drafter context"}
+    phases = [e for e in events if e.key in labels]
+    lines = [f"one decode step, {len(prompts)} requests: {step_ms:.1f} ms (profiled)"]
+    lines += [f"  {e.key:<16} {e.cpu_time_total / 1000:8.1f} ms" for e in
+              sorted(phases, key=lambda e: -e.cpu_time_total)]
+    ops = [e for e in events if e.key.startswith("aten::")]
+    lines.append("  top operators by self CPU time:")
+    for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[:rows]:
+        lines.append(f"    {e.key:<40} {e.self_cpu_time_total / 1000:8.1f} ms  x{e.count}")
+    return "\n".join(lines)
+
+
+def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(speculative=mode, scheduler=args.scheduler, gamma=args.gamma,
+                        cost_table=args.cost_table, dtype=args.dtype,
+                        max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len)
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> tuple[list[CellResult], str | None]:
+    """All concurrencies of one mode on one engine (and its profile if asked)."""
+    from dspark_serve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(engine_config(mode, args))
+    prompts = chat_prompts(engine.tokenizer, max(args.concurrency))
+    run_batch(engine, prompts[:1], 4, mode)  # warm-up
+    results = [run_batch(engine, prompts[:c], args.max_tokens, mode) for c in args.concurrency]
+    profile = profile_step(engine, prompts) if args.profile else None
+    return results, profile
+
+
+def format_table(results: list[CellResult]) -> str:
+    head = (f"{'mode':<7} {'conc':>4} {'tok/s/user':>10} {'agg tok/s':>9} {'TTFT s':>7} "
+            f"{'tau':>5} {'step ms':>8}")
+    rows = [f"{r.mode:<7} {r.concurrency:>4} {r.user_tok_s:>10.1f} {r.agg_tok_s:>9.1f} "
+            f"{r.ttft_s:>7.2f} {f'{r.tau:.2f}' if r.mode != 'none' else '-':>5} "
+            f"{r.step_ms:>8.1f}" for r in results]
+    return "\n".join([head] + rows)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``serving`` under ``dspark-serve bench``."""
+    parser = subparsers.add_parser(
+        "serving", help="engine tok/s: plain vs DSpark/DFlash by concurrency",
+        description="Decode speed of the embedded engine (in process, no HTTP) on MT-Bench "
+                    "prompts: tok/s per user and aggregate, per mode and concurrency.")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="speculative modes (default: all)")
+    parser.add_argument("--concurrency", type=_positive, nargs="+",
+                        default=list(DEFAULT_CONCURRENCY), help="default: %(default)s")
+    parser.add_argument("--max-tokens", type=_positive, default=64,
+                        help="output tokens per request (default: %(default)s)")
+    parser.add_argument("--max-model-len", type=_positive, default=1024,
+                        help="engine context limit (default: %(default)s)")
+    parser.add_argument("--scheduler", choices=SCHEDULERS, default="async",
+                        help="dspark verify-length scheduler (default: %(default)s)")
+    parser.add_argument("--gamma", type=_positive, help="block size (default: the drafter's)")
+    parser.add_argument("--cost-table", help="SPS cost table JSON (default: profile at start)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="weight dtype (default: %(default)s)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one decode step per mode at the largest concurrency")
+    parser.add_argument("--json", action="store_true", help="print JSON records instead")
+    parser.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run every mode and print the table; returns the exit code (2 on bad configuration)."""
+    results, profiles = [], {}
+    try:
+        for mode in args.modes:
+            cells, profile = run_mode(mode, args)
+            results += cells
+            if profile:
+                profiles[mode] = profile
+    except (OSError, ValueError) as exc:
+        print(f"dspark-serve bench serving: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        records = [{k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(r).items()}
+                   for r in results]
+        print(json.dumps({"results": records, "profiles": profiles}))
+        return 0
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"# {args.max_tokens} tokens/request, greedy, {torch.get_num_threads()} torch threads, "
+          f"dtype {args.dtype}, load average {load}")
+    print(format_table(results))
+    for mode, profile in profiles.items():
+        print(f"\n[{mode}] {profile}")
+    return 0
