@@ -17,14 +17,17 @@ def add_parser(subparsers) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--draft", required=True, help="trained DSpark drafter folder")
     p.add_argument("--data", required=True, help="gen-data folder (its held-out prompts)")
-    p.add_argument("--model", default=None, help="target HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="target HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--num-prompts", type=int, default=200, help="held-out prompts used")
     p.add_argument("--temperature", type=float, default=1.0, help="serving sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="serving top-p")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together")
-    p.add_argument("--out", default=None, help="calibration JSON (default: DRAFT/sts_calibration.json)")
-    p.add_argument("--png", default=None, help="reliability diagram (default: DRAFT/reliability.png)")
+    p.add_argument("--out", default=None,
+                   help="calibration JSON (default: DRAFT/sts_calibration.json)")
+    p.add_argument("--png", default=None,
+                   help="reliability diagram (default: DRAFT/reliability.png)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -48,7 +51,8 @@ def heldout_prompts(data: str, limit: int) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from dspark_serve.calibration import fit_calibration, prefix_survival_labels, save_sts_calibration
+    from dspark_serve.calibration import (fit_calibration, prefix_survival_labels,
+                                          save_sts_calibration)
     from dspark_serve.calibration.metrics import reliability_diagram
     from dspark_serve.calibration.sts import calibrated_confidence
     from dspark_serve.eval.loading import chat_prompts, load_pair

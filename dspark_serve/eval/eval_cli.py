@@ -20,8 +20,10 @@ BENCHMARKS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "alpaca": "Alpaca
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("eval", help="offline accepted length / acceptance / calibration",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="target HF folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default=None, help="drafter folder (default: the shipped one of --kind)")
+    p.add_argument("--model", default=None,
+                   help="target HF folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default=None,
+                   help="drafter folder (default: the shipped one of --kind)")
     p.add_argument("--kind", choices=("dspark", "dflash"), default="dspark")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) or e.g. 1")
     p.add_argument("--gamma", type=int, default=None, help="block size (default: the drafter's)")
@@ -62,7 +64,8 @@ def evaluate(pair, benchmarks: list[str], *, temperature: float, gamma: int | No
         entry = {"prompts": len(prompts), "rounds": int(rounds.num_accepted.numel()),
                  "generated_tokens": rounds.generated,
                  "tau": accepted_length(rounds.num_accepted),
-                 "conditional_acceptance": conditional_acceptance(rounds.num_accepted, rounds.gamma)}
+                 "conditional_acceptance": conditional_acceptance(rounds.num_accepted,
+                                                                  rounds.gamma)}
         if has_conf and rounds.num_accepted.numel():
             entry["threshold_sweep"] = threshold_sweep(rounds.conf_logits, rounds.num_accepted,
                                                        temperatures)
@@ -111,7 +114,8 @@ def format_report(report: dict) -> str:
         sts = cal["sts"]
         lines.append(f"{BENCHMARKS.get(name, name)}: ECE {100 * cal['raw']['mean_ece']:.2f}%"
                      + (f" -> {100 * sts['mean_ece']:.2f}% (STS)" if sts else "")
-                     + f", AUROC {cal['raw']['mean_auroc']:.3f}, Brier {cal['raw']['mean_brier']:.4f}"
+                     + f", AUROC {cal['raw']['mean_auroc']:.3f}"
+                     + f", Brier {cal['raw']['mean_brier']:.4f}"
                      + (f" -> {sts['mean_brier']:.4f}" if sts else ""))
         lines.append("  threshold  acc.rate  tokens/round  verified/round")
         for row in b["threshold_sweep"]:

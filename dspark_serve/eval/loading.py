@@ -39,7 +39,8 @@ def load_pair(model: str | None, draft: str | None, kind: str = "dspark",
     draft_path, config = drafter_source(hf_config, kind, name, mask_id, draft)
     if draft_path is None:
         raise ValueError(f"no trained {kind} drafter for {name}: pass --draft")
-    target = TargetModel.from_pretrained(path, dtype=dtype, target_layer_ids=config.target_layer_ids)
+    target = TargetModel.from_pretrained(path, dtype=dtype,
+                                         target_layer_ids=config.target_layer_ids)
     drafter = build_drafter(target, draft_path, config)
     eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])}

@@ -116,8 +116,9 @@ def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[i
             n = res.num_accepted
             logs.append((block.conf_logits[:, :gamma].float().cpu(), n.cpu(), (rows + first).cpu()))
             committed = offsets[None, :] <= n[:, None]                   # anchor + accepted drafts
-            drafter.extend_context(cache, slots[rows].repeat_interleave(gamma + 1)[committed.flatten()],
-                                   pos[committed], out.taps[committed.flatten()])
+            flat = committed.flatten()
+            drafter.extend_context(cache, slots[rows].repeat_interleave(gamma + 1)[flat],
+                                   pos[committed], out.taps[flat])
             new = res.tokens.masked_fill(~committed, -1)
             anchor[rows] = res.tokens.gather(1, n[:, None]).squeeze(1)
             anchor_pos[rows] += n + 1

@@ -27,7 +27,8 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     """Positions p with loss_mask[p] and loss_mask[p + 1]: [T] bool -> [n] int64 (ascending).
     Raises ValueError for a non-bool or non-1-D mask."""
     if loss_mask.dim() != 1 or loss_mask.dtype != torch.bool:
-        raise ValueError(f"loss_mask must be bool [T], got {loss_mask.dtype} {tuple(loss_mask.shape)}")
+        raise ValueError(f"loss_mask must be bool [T], got {loss_mask.dtype} "
+                         f"{tuple(loss_mask.shape)}")
     return torch.nonzero(loss_mask[:-1] & loss_mask[1:]).flatten()
 
 
@@ -100,7 +101,8 @@ def block_layout(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor],
                                             ("seq", "anchor", "labels", "mask", "target")}
     for s, (ids, mask, anc) in enumerate(zip(sequences, loss_masks, anchors)):
         if ids.shape != mask.shape:
-            raise ValueError(f"sequence {s}: ids {tuple(ids.shape)} vs loss mask {tuple(mask.shape)}")
+            raise ValueError(f"sequence {s}: ids {tuple(ids.shape)} vs loss mask "
+                             f"{tuple(mask.shape)}")
         valid = torch.zeros_like(mask)
         valid[anchor_candidates(mask)] = True
         if anc.numel() and not bool(valid[anc].all()):

@@ -58,7 +58,8 @@ def read_split(folder: str | Path) -> dict:
     """The split manifest. Raises FileNotFoundError when the folder has none."""
     path = Path(folder) / SPLIT_FILE
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `dspark-serve gen-data --out {folder}` first")
+        raise FileNotFoundError(f"{path} not found: run `dspark-serve gen-data --out {folder}` "
+                                "first")
     return json.loads(path.read_text(encoding="utf-8"))
 
 

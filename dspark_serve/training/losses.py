@@ -71,7 +71,8 @@ def _weighted_mean(per_token: torch.Tensor, weights: torch.Tensor) -> torch.Tens
 def drafter_loss(draft_logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, *,
                  target_logits: torch.Tensor | None = None, conf_logits: torch.Tensor | None = None,
                  alpha_ce: float = ALPHA_CE, alpha_tv: float = ALPHA_TV,
-                 alpha_conf: float = ALPHA_CONF, decay: float, temperature: float = 1.0) -> LossTerms:
+                 alpha_conf: float = ALPHA_CONF, decay: float,
+                 temperature: float = 1.0) -> LossTerms:
     """Eq 9 for R blocks.
 
     Args:

@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
         if f.name in ("data", "out"):
             p.add_argument(flag, required=True, help=_HELP[f.name])
         elif f.name == "kind":
-            p.add_argument(flag, choices=("dspark", "dflash"), default=f.default, help=_HELP[f.name])
+            p.add_argument(flag, choices=("dspark", "dflash"), default=f.default,
+                           help=_HELP[f.name])
         elif f.name == "dtype":
             p.add_argument(flag, choices=("bfloat16", "float32"), default=f.default,
                            help=_HELP[f.name])

@@ -30,6 +30,7 @@ from dspark_serve.training.anchors import block_layout, sample_anchors
 from dspark_serve.training.checkpointing import STATE_FILE, latest_checkpoint, save_checkpoint
 from dspark_serve.training.dataset import Sequence, load_sequences
 from dspark_serve.training.forward import drafter_forward
+from dspark_serve.training.models import build_models
 from dspark_serve.training.losses import ALPHA_CE, ALPHA_CONF, ALPHA_TV, drafter_loss
 from dspark_serve.training.target_features import target_features
 
@@ -67,7 +68,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("dspark", "dflash"):
             raise ValueError(f"kind must be 'dspark' or 'dflash', got {self.kind!r}")
-        for name in ("steps", "seqs_per_step", "anchors_per_seq", "save_every", "log_every", "keep"):
+        for name in ("steps", "seqs_per_step", "anchors_per_seq", "save_every", "log_every",
+                     "keep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.time_budget_minutes is not None and not self.time_budget_minutes > 0:
@@ -81,24 +83,6 @@ class TrainConfig:
                 setattr(self, name, dflash_default if dflash else dspark_default)
 
 
-def init_weights(drafter: DSparkDrafter, seed: int) -> None:
-    """Seeded initialisation: linear weights N(0, 0.02) with zero biases (transformers'
-    default), Markov W1 N(0, 1) and W2 = 0 so the sequential bias starts at zero and the
-    untrained drafter is exactly its DFlash backbone."""
-    gen = torch.Generator().manual_seed(seed)
-    for module in drafter.modules():
-        if isinstance(module, torch.nn.Linear):
-            with torch.no_grad():
-                module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.02)
-                if module.bias is not None:
-                    module.bias.zero_()
-    head = drafter.markov_head
-    if head is not None:
-        with torch.no_grad():
-            head.markov_w1.weight.copy_(torch.randn(head.markov_w1.weight.shape, generator=gen))
-            head.markov_w2.weight.zero_()
-
-
 def lr_lambda(step: int, total: int, warmup_ratio: float) -> float:
     """Linear warmup over ceil(warmup_ratio * total) steps, then cosine decay to 0."""
     warmup = max(1, math.ceil(warmup_ratio * total))
@@ -107,7 +91,8 @@ def lr_lambda(step: int, total: int, warmup_ratio: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def batch_for_step(sequences: list[Sequence], step: int, per_step: int, seed: int) -> list[Sequence]:
+def batch_for_step(sequences: list[Sequence], step: int, per_step: int,
+                   seed: int) -> list[Sequence]:
     """The sequences of step ``step``: consecutive slices of a seeded permutation per epoch."""
     n = len(sequences)
     picked = []
@@ -128,7 +113,8 @@ def train_step(drafter: DSparkDrafter, target, batch: list[Sequence], cfg: Train
     layout = block_layout([s.ids for s in batch], [s.loss_mask for s in batch], anchors,
                           block_size=c.block_size, label_offset=c.label_offset,
                           mask_token_id=c.mask_token_id)
-    needs_target = cfg.alpha_tv != 0 or (cfg.alpha_conf != 0 and drafter.confidence_head is not None)
+    needs_target = cfg.alpha_tv != 0 or (cfg.alpha_conf != 0
+                                         and drafter.confidence_head is not None)
     t0 = time.perf_counter()
     feats = target_features(target, [s.ids for s in batch], layout, with_logits=needs_target)
     t_target = time.perf_counter() - t0
@@ -140,37 +126,6 @@ def train_step(drafter: DSparkDrafter, target, batch: list[Sequence], cfg: Train
                         alpha_ce=cfg.alpha_ce, alpha_tv=cfg.alpha_tv, alpha_conf=cfg.alpha_conf,
                         decay=cfg.loss_decay or c.gamma, temperature=cfg.temperature)
     return loss, t_target, layout.num_blocks
-
-
-def build_models(cfg: TrainConfig, resume_from: Path | None):
-    """(target, drafter, model name) for a run: the target (frozen, ``cfg.dtype``) tapped at the
-    drafter's layers, and a float32 drafter of the default shape (seeded init) or the one
-    saved at ``resume_from``."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dspark_serve.drafter.checkpoint import read_config
-    from dspark_serve.engine.target_model import TargetModel
-    from dspark_serve.models.default_drafter import default_drafter_config
-    from dspark_serve.models.default_model import MODEL_NAME, default_model_path
-
-    path = cfg.model or default_model_path()
-    name = Path(path).name if cfg.model else MODEL_NAME
-    if resume_from is not None:
-        dcfg = read_config(resume_from)
-    else:
-        tok = AutoTokenizer.from_pretrained(path)
-        # the engine's rule for the mask token of a default-shape drafter
-        mask_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        dcfg = default_drafter_config(AutoConfig.from_pretrained(path), cfg.kind, mask_id)
-    target = TargetModel.from_pretrained(path, dtype=cfg.dtype, target_layer_ids=dcfg.target_layer_ids)
-    if resume_from is not None:
-        drafter = load_drafter(resume_from, target.embed_tokens, target.lm_head,
-                               dtype=torch.float32, device=target.device)
-    else:
-        drafter = DSparkDrafter(dcfg, target.embed_tokens, target.lm_head)
-        init_weights(drafter, cfg.seed)
-        drafter = drafter.to(target.device)
-    return target, drafter.train(), name
 
 
 def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:

@@ -10,7 +10,7 @@ from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.engine.target_model import TargetModel
 from dspark_serve.training.dataset import SEQUENCES_FILE, append_record
-from dspark_serve.training.trainer import init_weights
+from dspark_serve.training.models import init_weights
 
 VOCAB, HIDDEN, LAYERS, TAPS, MASK_ID = 64, 32, 4, [0, 2], 1
 
