@@ -1,5 +1,5 @@
 """Fixtures for the real-model engine tests (``test_llm_engine*.py``): engines of the default
-model built once per session, MT-Bench chat prompts, a run-to-completion helper, and oracle
+model built once per module, MT-Bench chat prompts, a run-to-completion helper, and oracle
 drafters.
 
 The default drafter is untrained and accepts almost nothing, so on its own it never exercises
@@ -20,6 +20,7 @@ import torch
 from dspark_serve.scheduling.cost_table import CostTable
 from dspark_serve.engine.config import EngineConfig
 from dspark_serve.engine.llm_engine import LLMEngine
+from dspark_serve.engine.outputs import SpecStats
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.types import DraftBlock
 
@@ -41,13 +42,19 @@ class Completion:
     text: str = ""
     finish_reason: str | None = None
     deltas: list[int] = field(default_factory=list)  # tokens committed per step
-    accepted_length: float = 0.0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def accepted_length(self) -> float:
+        return self.stats.accepted_length
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]],
-             params: SamplingParams | dict[str, SamplingParams]) -> dict[str, Completion]:
-    """Add every prompt (request id -> token ids), step until all finish, collect outputs.
-    On an error the engine's requests are aborted, so a shared engine stays usable."""
+             params: SamplingParams | dict[str, SamplingParams],
+             step_stats: list | None = None) -> dict[str, Completion]:
+    """Add every prompt (request id -> token ids), step until all finish, collect outputs
+    (and the engine's StepStats into ``step_stats``). On an error the engine's requests are
+    aborted, so a shared engine stays usable."""
     done = {rid: Completion() for rid in prompts}
     try:
         for rid, ids in prompts.items():
@@ -59,18 +66,19 @@ def generate(engine: LLMEngine, prompts: dict[str, list[int]],
                 c.text += out.new_text
                 c.deltas.append(len(out.new_token_ids))
                 c.finish_reason = out.finish_reason
-                c.accepted_length = out.stats.accepted_length
+                c.stats = out.stats
     finally:
         for r in engine.waiting + engine.running:
             engine.abort_request(r.request_id)
-        engine.pop_step_stats()
+        (step_stats if step_stats is not None else []).extend(engine.pop_step_stats())
     return done
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def make_engine(tmp_path_factory) -> Callable[..., LLMEngine]:
-    """``make_engine(**EngineConfig fields)``: a cached engine of the default model, with
-    COST_TABLE (no start-up profiling)."""
+    """``make_engine(**EngineConfig fields)``: an engine of the default model with COST_TABLE
+    (no start-up profiling), cached for the test module (freed after it: each engine holds
+    the ~0.5 GB float32 target)."""
     table = tmp_path_factory.mktemp("engine") / "cost_table.json"
     COST_TABLE.save(str(table))
     engines: dict[tuple, LLMEngine] = {}
@@ -84,7 +92,7 @@ def make_engine(tmp_path_factory) -> Callable[..., LLMEngine]:
     return make
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def mtbench_prompts(make_engine) -> dict[str, list[int]]:
     """The first NUM_PROMPTS MT-Bench first turns in the target's chat template, by id."""
     from dspark_serve.data.prompt_sets import load_prompts

@@ -39,11 +39,14 @@ def test_greedy_untrained_drafter_equals_plain(mode, engine_for, generate, mtben
                                                greedy_reference):
     """The shipped (untrained) drafter: every block verified and rejected, output unchanged."""
     engine = engine_for(*mode)
+    steps = []
     out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
-                                                           max_tokens=SHORT_TOKENS))
-    assert len(out) >= 20
+                                                           max_tokens=SHORT_TOKENS), steps)
+    assert len(greedy_reference) >= 20
     for rid, ref in greedy_reference.items():
         assert out[rid].token_ids == ref.token_ids[:SHORT_TOKENS], rid
+    # Drafts were verified (l_r > 0), not just skipped.
+    assert sum(s.verify_tokens for s in steps) > sum(s.rounds for s in steps) > 0
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES, ids=MODE_IDS)
@@ -90,20 +93,24 @@ def test_seeded_sampling_equals_plain_across_batches(engine_for, generate, mtben
     assert tau > 2.0, f"mean accepted length {tau:.2f}"
 
 
-def _first_new(tokens: list[int], start: int) -> int:
-    """Index >= start of the first token that does not occur earlier."""
-    return next(j for j in range(start, len(tokens)) if tokens[j] not in tokens[:j])
+def _first_new(tokens: list[int], start: int, gamma: int) -> int:
+    """Index >= start of the first token that does not occur earlier and is not the last
+    token of a full block (index 8k with gamma 7: token 0 comes from the prefill)."""
+    return next(j for j in range(start, len(tokens))
+                if tokens[j] not in tokens[:j] and j % (gamma + 1))
 
 
 def test_stops_inside_accepted_blocks(engine_for, generate, mtbench_prompts, greedy_reference,
                                       reference_oracle, use_oracle):
     """max_tokens, a stop token id, a stop string and EOS end a request exactly where plain
-    decoding ends it, though the oracle's block (uncorrupted) carries tokens past the end."""
-    plain = engine_for()
-    tok = plain.tokenizer
+    decoding ends it. The oracle's blocks are uncorrupted and every block is verified whole
+    (DFlash's static schedule, gamma 7), so each stop falls inside an accepted block whose
+    later tokens must be dropped, and max_tokens cuts the last block short."""
+    plain, engine = engine_for(), engine_for("dflash", "static")
+    gamma, tok = engine.gamma, plain.tokenizer
     ids = list(mtbench_prompts)[:3]
     ref0, ref1, ref2 = (greedy_reference[rid].token_ids for rid in ids)
-    j = _first_new(ref1, 9)
+    j = _first_new(ref1, 9, gamma)
     stop_text = tok.decode(ref2[12:14])
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? One word."}],
@@ -118,16 +125,21 @@ def test_stops_inside_accepted_blocks(engine_for, generate, mtbench_prompts, gre
     expected = generate(plain, prompts, params)
     assert expected[ids[0]].token_ids == ref0[:11]
     assert expected[ids[1]].token_ids == ref1[:j + 1]
-    assert expected["eos"].token_ids[-1] in plain.eos_ids  # the prompt's answer ends in EOS
+    eos_answer = expected["eos"].token_ids
+    assert eos_answer[-1] in plain.eos_ids and (len(eos_answer) - 1) % (gamma + 1)
     assert [c.finish_reason for c in expected.values()] == ["length", "stop", "stop", "stop"]
 
-    engine = engine_for("dspark", "async")
     # Each oracle block runs on past the end (the EOS answer is followed by itself again).
-    refs = {ids[0]: ref0, ids[1]: ref1, ids[2]: ref2,
-            "eos": expected["eos"].token_ids + expected["eos"].token_ids}
-    use_oracle(engine, reference_oracle(engine, refs, corrupt=0.0, seed=3, conf_logit=6.0))
+    refs = {ids[0]: ref0, ids[1]: ref1, ids[2]: ref2, "eos": eos_answer + eos_answer}
+    use_oracle(engine, reference_oracle(engine, refs, corrupt=0.0, seed=3))
     out = generate(engine, prompts, params)
     for rid, exp in expected.items():
-        assert (out[rid].token_ids, out[rid].text, out[rid].finish_reason) == (
-            exp.token_ids, exp.text, exp.finish_reason), rid
-        assert out[rid].deltas[-1] >= 2, f"{rid}: the end did not fall inside a block"
+        c = out[rid]
+        assert (c.token_ids, c.text, c.finish_reason) == (exp.token_ids, exp.text,
+                                                          exp.finish_reason), rid
+        # Tokens the verify rounds produced (accepted drafts + one each) vs committed ones.
+        produced = c.stats.accepted_tokens + c.stats.verify_rounds
+        if rid == ids[0]:
+            assert c.deltas == [1, gamma + 1, 2] and produced == 10
+        else:
+            assert produced > len(c.token_ids) - 1, f"{rid}: nothing past the stop was dropped"
