@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS = {
     "scheduler": "dspark_serve.bench.scheduler",
     "serving": "dspark_serve.bench.serving",
+    "kernels": "dspark_serve.bench.kernels",
 }
 
 
