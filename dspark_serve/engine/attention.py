@@ -48,8 +48,8 @@ class VarlenPlan:
     kv_len:      L = max position + 1 rounded up to a multiple of KV_BLOCK (capped at the
                  cache length), the keys read per row.
     groups:      G = query heads per KV head.
-    blocked:     [R, 1, G * max_q, L] bool, True where a key is hidden from a query (past
-                 its position); None when every query sees all L keys.
+    bias:        [R, 1, G * max_q, L] float32 score bias: 0 where a query sees the key,
+                 -inf where the key lies past its position.
     first_slot:  s when row_slots is s, s+1, ..., s+R-1: the rows' keys are then read as a
                  view of the cache, without the gather copy; else None.
     """
@@ -59,7 +59,7 @@ class VarlenPlan:
     max_q: int
     kv_len: int
     groups: int
-    blocked: torch.Tensor | None
+    bias: torch.Tensor
     first_slot: int | None
 
 
@@ -103,15 +103,14 @@ def plan_varlen(slots: torch.Tensor, positions: torch.Tensor, groups: int,
         pos_grid = torch.zeros(row_slots.numel() * max_q, dtype=positions.dtype, device=device)
         pos_grid[token_index] = positions
     r = row_slots.numel()
-    if max_q == 1 and bool((pos_grid == kv_len - 1).all()):
-        blocked = None
-    else:
-        blocked = (keys > pos_grid[:, None]).view(r, 1, 1, max_q, kv_len)
-        blocked = blocked.expand(r, 1, groups, max_q, kv_len).reshape(r, 1, groups * max_q, kv_len)
+    bias = torch.zeros(r * max_q, kv_len, dtype=torch.float32, device=device)
+    bias.masked_fill_(keys > pos_grid[:, None], float("-inf"))
+    bias = bias.view(r, 1, 1, max_q, kv_len).expand(r, 1, groups, max_q, kv_len)
+    bias = bias.reshape(r, 1, groups * max_q, kv_len)
     first = int(row_slots[0])
     if r > 1 and not bool((row_slots == torch.arange(first, first + r, device=device)).all()):
         first = None
-    return VarlenPlan(row_slots, token_index, max_q, kv_len, groups, blocked, first)
+    return VarlenPlan(row_slots, token_index, max_q, kv_len, groups, bias, first)
 
 
 def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -161,10 +160,9 @@ def varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         grid[plan.token_index] = q
         grid = grid.view(r, mq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * mq, d)
     scores = torch.matmul(grid, k.to(q.dtype).transpose(-1, -2))
-    if plan.blocked is not None:
-        scores = scores.masked_fill(plan.blocked, float("-inf"))
-    probs = torch.softmax(scores.float() * (d ** -0.5 if scale is None else scale), dim=-1)
-    out = torch.matmul(probs.to(q.dtype), v.to(q.dtype))
+    # One op scales, masks and promotes the scores to float32 for the softmax.
+    scores = torch.add(plan.bias, scores, alpha=d ** -0.5 if scale is None else scale)
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v.to(q.dtype))
     if plan.token_index is None:
         return out.reshape(t, hq, d)
     out = out.view(r, hkv, g, mq, d).permute(0, 3, 1, 2, 4).reshape(r * mq, hq, d)

@@ -53,18 +53,19 @@ def test_matches_per_token_sdpa(hkv, groups, requests):
 def test_plan_layouts():
     decode = plan_varlen(torch.tensor([4, 0, 2]), torch.tensor([9, 3, 3]), groups=2)
     assert decode.token_index is None and decode.max_q == 1 and decode.kv_len == KV_BLOCK
-    assert decode.first_slot is None and decode.blocked.shape == (3, 1, 2, KV_BLOCK)
+    assert decode.first_slot is None and decode.bias.shape == (3, 1, 2, KV_BLOCK)
     assert plan_varlen(torch.tensor([0]), torch.tensor([KV_BLOCK]), 1).kv_len == 2 * KV_BLOCK
     assert plan_varlen(torch.tensor([0]), torch.tensor([3]), 1, max_len=10).kv_len == 10
     full = plan_varlen(torch.tensor([2]), torch.tensor([KV_BLOCK - 1]), groups=3)
-    assert full.blocked is None and full.first_slot == 2
+    assert full.first_slot == 2 and bool((full.bias == 0).all())
     mixed = plan_varlen(torch.tensor([3, 1, 3, 3]), torch.tensor([4, 0, 5, 6]), groups=1,
                         max_len=7)
     assert mixed.row_slots.tolist() == [1, 3] and mixed.max_q == 3 and mixed.kv_len == 7
     assert mixed.token_index.tolist() == [3, 0, 4, 5] and mixed.first_slot is None
     # Padding cells of slot 1's row see key 0 only; slot 3's third query sees keys 0..6.
-    assert mixed.blocked[0, 0, 1].tolist() == [False] + [True] * 6
-    assert mixed.blocked[1, 0, 2].tolist() == [False] * 7
+    inf = float("-inf")
+    assert mixed.bias[0, 0, 1].tolist() == [0.0] + [inf] * 6
+    assert mixed.bias[1, 0, 2].tolist() == [0.0] * 7
 
 
 @pytest.mark.parametrize("threads,trials", [(1, 300), (2, 100)])  # 2 threads: slow when shared
