@@ -16,13 +16,14 @@ attention). ``plan_varlen`` does the per-step bookkeeping once for all layers.
 Why not ``F.scaled_dot_product_attention``: on CPU its result for one query depends on how
 many other queries share the call (measured: bf16 outputs differ between a decode token and
 the same token inside a verify block, up to 0.4 in the final logits). The matmul + softmax
-form gives every query row the same bits whatever the step's composition, provided the key
-length L is padded to a multiple of ``KV_BLOCK`` (measured in bfloat16, 1 and 2 threads: with
-unpadded L the probs @ V product differs in the last bit for ~1% of rows, because the reduction
-over L is blocked differently; masked keys of extra blocks add exact zeros), and oneDNN's
-bfloat16 linears
-are row-independent too, so a bfloat16 target computes identical logits for a token whether it
-is decoded alone, verified in a block or batched with other requests: greedy speculative
+form gives every query row the same bits whatever the step's composition (measured in
+bfloat16 on AVX512-BF16/AMX, 1 and 2 threads), under two conditions this module enforces:
+the key length L is padded to a multiple of ``KV_BLOCK`` (unpadded, the probs @ V reduction
+is blocked differently and ~1% of rows change their last bit; the masked keys of extra blocks
+add exact zeros), and a grid row holds at most ``MAX_GRID_ROWS`` query-head rows (oneDNN
+switches bf16 matmul kernels above 32 rows). oneDNN's bfloat16 linears are row-independent
+too (``linear``), so a bfloat16 target computes identical logits for a token whether it is
+decoded alone, verified in a block or batched with other requests: greedy speculative
 decoding then reproduces plain decoding token for token. (Float32 matmuls go through MKL,
 whose results depend on the row count by ~1e-6 relative.)
 """
@@ -35,16 +36,23 @@ import torch
 # Keys are read in whole blocks of this many positions (see the module docstring); KVCache
 # storage is a multiple of it.
 KV_BLOCK = 64
+# Most query-head rows (G * queries) of one grid row's matrices. oneDNN picks another bf16
+# matmul kernel above 32 rows, whose last bits differ (measured on AMX, D = 64 and 128), so
+# a slot's tokens are split into grid rows of at most MAX_GRID_ROWS // G queries: every query
+# then meets the same kernel whether it is decoded, verified or prefilled.
+MAX_GRID_ROWS = 32
 
 
 @dataclass
 class VarlenPlan:
     """Layout of one step's tokens, shared by every layer (built by ``plan_varlen``).
 
-    row_slots:   [R] int64 KV cache slot of each grid row (the step's distinct slots).
+    row_slots:   [R] int64 KV cache slot of each grid row: the step's distinct slots, a slot
+                 with more than q_block = max(1, MAX_GRID_ROWS // G) tokens taking one row
+                 per q_block of them.
     token_index: [T] int64 grid cell ``row * max_q + i`` of each token, or None when every
                  token is its own row in token order (a pure decode step: no scatter).
-    max_q:       most tokens of one slot in the step.
+    max_q:       queries per grid row, min(most tokens of one slot, q_block).
     kv_len:      L = max position + 1 rounded up to a multiple of KV_BLOCK (capped at the
                  cache length), the keys read per row.
     groups:      G = query heads per KV head.
@@ -93,12 +101,18 @@ def plan_varlen(slots: torch.Tensor, positions: torch.Tensor, groups: int,
         # Decode: one token per slot, so the token order is the row order.
         row_slots, token_index, max_q, pos_grid = slots, None, 1, positions
     else:
-        max_q = int(counts.max())
         order = torch.argsort(inverse, stable=True)
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.empty_like(inverse)
         rank[order] = torch.arange(t, device=device) - starts[inverse[order]]
-        token_index = inverse * max_q + rank
+        # Splitting long runs (prefill chunks) also bounds the padding of the other rows.
+        q_block = max(1, MAX_GRID_ROWS // groups)
+        most = int(counts.max())
+        max_q = min(most, q_block)
+        per_slot = -(-most // q_block)
+        row_keys, row = torch.unique(inverse * per_slot + rank // q_block, return_inverse=True)
+        row_slots = row_slots[row_keys // per_slot]
+        token_index = row * max_q + rank % q_block
         # Padding cells sit at position 0: they see key 0 only, which keeps softmax finite.
         pos_grid = torch.zeros(row_slots.numel() * max_q, dtype=positions.dtype, device=device)
         pos_grid[token_index] = positions
