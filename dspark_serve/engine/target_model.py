@@ -143,7 +143,9 @@ class TargetModel:
             logit_indices: [N] int64 token indices (into 0..T-1) whose logits to compute;
                 None = all T tokens.
         Returns:
-            ``TargetOutput`` (logits [N, V] float32, taps [T, n_taps * hidden]).
+            ``TargetOutput`` (logits [N, V] float32, taps [T, n_taps * hidden]); both are
+            inference-mode tensors (``clone()`` them outside inference mode before using them
+            in autograd).
         Raises:
             ValueError: bad shapes/dtypes, unallocated slots, positions out of range,
                 token ids outside the vocabulary, logit indices outside 0..T-1.
