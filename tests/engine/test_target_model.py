@@ -277,8 +277,8 @@ def test_default_model_float32_matches_transformers(default_model, one_thread):
 @pytest.mark.slow
 def test_default_model_bfloat16_invariant_and_close(default_model, one_thread):
     """bfloat16: logits bit-identical between mixed decoding and one verify-style forward;
-    against the float32 reference (measured: top-1 agreement 98.5-100 %, mean |diff| 0.13-0.16
-    on these prompts) within loose bounds."""
+    against the float32 reference within loose bounds (measured on these sequences: top-1
+    agreement 97-99 %, mean |diff| 0.16-0.17; transformers' own bfloat16 is as far off)."""
     path, hf, prompts = default_model
     model = TargetModel.from_pretrained(path, dtype="bfloat16")
     outs, logits, _ = plain_decode(model, prompts, 32, chunk=16, num_slots=2)
