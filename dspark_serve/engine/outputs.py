@@ -42,8 +42,10 @@ class RequestOutput:
     new_token_ids: tokens committed this step (several per verify round under speculation; none
         past a stop string, stop token or max_tokens).
     new_text: exact text delta (stop strings excluded; concatenating all deltas gives the text).
-    new_logprobs: log-probability of each new token under the target distribution the token was
-        sampled from, aligned with new_token_ids; None unless the request asked for logprobs.
+    new_logprobs: log-probability of each new token under the target's raw distribution
+        (log-softmax of the logits before penalties, logit bias, temperature and top-k/top-p/
+        min-p, as vLLM reports by default), aligned with new_token_ids; None unless the request
+        asked for logprobs.
     new_top_logprobs: per new token, {token id: logprob} of the top_logprobs most likely tokens;
         None unless the request asked for logprobs.
     finished / finish_reason: "stop" (stop string, stop token or EOS), "length" (max_tokens or the
