@@ -172,4 +172,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m dspark_serve.bench.step_profile")
     add_parser(parser.add_subparsers(dest="cmd", required=True))
-    raise SystemExit(parser.parse_args().func(parser.parse_args()))
+    parsed = parser.parse_args()
+    raise SystemExit(parsed.func(parsed))
