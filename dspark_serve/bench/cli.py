@@ -10,6 +10,7 @@ BENCHMARKS = {
     "scheduler": "dspark_serve.bench.scheduler",
     "serving": "dspark_serve.bench.serving",
     "kernels": "dspark_serve.bench.kernels",
+    "step": "dspark_serve.bench.step_profile",
 }
 
 
