@@ -21,7 +21,7 @@ from dspark_serve.engine.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-StatsCallback = Callable[[list[StepStats], int], None]
+StatsCallback = Callable[[list[StepStats], int, bool], None]
 
 
 class EngineError(RuntimeError):
@@ -60,9 +60,10 @@ class AsyncEngine:
 
     Args:
         engine: an ``LLMEngine`` (or anything with its API).
-        on_step_stats: called in the engine thread after every step with the step statistics
-            popped from the engine (``engine.pop_step_stats()``, if it has one) and
-            ``engine.kv_free_tokens()``.
+        on_step_stats: called in the engine thread after every loop iteration (a step, or
+            adds/aborts while idle) with the step statistics popped from the engine
+            (``engine.pop_step_stats()``, if it has one; empty without a step),
+            ``engine.kv_free_tokens()`` and whether the engine is now idle.
     """
 
     def __init__(self, engine, on_step_stats: StatsCallback | None = None):
@@ -150,6 +151,7 @@ class AsyncEngine:
                 logger.exception("engine loop error; failing the %d requests in flight",
                                  len(self._groups))
                 self._fail(list(self._groups), EngineError(f"engine error: {exc}"))
+            self._report_stats()  # before num_in_flight, which callers poll for idleness
             self.num_in_flight = len(self._groups)
 
     def _add(self, group: RequestGroup, requests, accepted: asyncio.Future) -> None:
@@ -188,12 +190,17 @@ class AsyncEngine:
                 del self._groups[out.request_id]
             batch.append((group.queue, out))
         self._post(batch)
-        if self.on_step_stats is not None:
-            pop = getattr(self.engine, "pop_step_stats", None)
-            try:
-                self.on_step_stats(pop() if pop is not None else [], self.engine.kv_free_tokens())
-            except Exception:  # losing metrics must not fail requests
-                logger.exception("step statistics callback failed")
+
+    def _report_stats(self) -> None:
+        # Also after aborts while idle, so gauges (running, waiting, free KV) never go stale.
+        if self.on_step_stats is None:
+            return
+        pop = getattr(self.engine, "pop_step_stats", None)
+        try:
+            self.on_step_stats(pop() if pop is not None else [], self.engine.kv_free_tokens(),
+                               not self.engine.has_unfinished())
+        except Exception:  # losing metrics must not fail requests
+            logger.exception("step statistics callback failed")
 
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         """Drop requests from the engine and deliver ``error`` to their groups."""

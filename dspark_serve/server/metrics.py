@@ -58,8 +58,9 @@ class ServerMetrics:
         self._accepted_total = 0
         self._rounds_total = 0
 
-    def observe(self, steps: list[StepStats], kv_free_tokens: int) -> None:
-        """Record the steps popped from the engine after one ``step()``."""
+    def observe(self, steps: list[StepStats], kv_free_tokens: int, idle: bool = False) -> None:
+        """Record the steps popped from the engine (none if no step ran) and its load; an idle
+        engine has no running or waiting requests, whatever its last step had."""
         now = time.monotonic()
         for s in steps:
             self.drafted.inc(s.drafted_tokens)
@@ -79,6 +80,9 @@ class ServerMetrics:
                 self._accepted_total += s.accepted_tokens
                 self._rounds_total += s.rounds
                 self._recent.append((now, s.generated_tokens))
+        if idle:
+            self.running.set(0)
+            self.waiting.set(0)
         self.kv_free.set(kv_free_tokens)
 
     def mean_accepted_length(self) -> float:

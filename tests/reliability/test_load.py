@@ -148,12 +148,13 @@ async def run_load(url: str) -> collections.Counter:
 
 
 def settle(url: str, initial_kv: float) -> None:
-    """Wait until every KV slot is free again. The gauge is refreshed after each engine step,
-    so tiny requests drive steps until the aborts of the last disconnects are processed."""
+    """Wait until every KV slot is free again and the engine reports itself idle (the gauges
+    are refreshed after aborts too, without another request driving a step)."""
     deadline = time.monotonic() + 60
     while True:
-        httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
-        if gauge(url, "dspark_kv_free_tokens") == initial_kv:
+        if (gauge(url, "dspark_kv_free_tokens") == initial_kv
+                and gauge(url, "dspark_num_requests_running") == 0
+                and gauge(url, "dspark_num_requests_waiting") == 0):
             return
         assert time.monotonic() < deadline, "KV slots still held after the load"
         time.sleep(1.0)

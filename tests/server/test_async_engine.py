@@ -21,7 +21,7 @@ async def drain(group):
 
 def run_with(engine, coro_fn, stats=None):
     async def main():
-        ae = AsyncEngine(engine, on_step_stats=(lambda s, kv: stats.append((s, kv)))
+        ae = AsyncEngine(engine, on_step_stats=(lambda s, kv, idle: stats.append((s, kv, idle)))
                          if stats is not None else None)
         ae.start()
         try:
@@ -44,9 +44,9 @@ def test_groups_run_concurrently_and_complete(make_fake_engine):
     assert [len(t) for t in (t1["a"], t1["b"], t2["c"])] == [10, 10, 25]
     assert t1["a"] != t1["b"]
     assert not engine.has_unfinished() and engine.aborted == []
-    steps = [s for batch, _ in stats for s in batch]
+    steps = [s for batch, _, _ in stats for s in batch]
     assert sum(s.generated_tokens for s in steps) == 45
-    assert stats[-1][1] == engine.KV_TOKENS
+    assert stats[-1][1:] == (engine.KV_TOKENS, True)
 
 
 def test_rejected_group_adds_nothing(make_fake_engine):

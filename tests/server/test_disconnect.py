@@ -65,6 +65,11 @@ def test_non_streaming_disconnect_aborts(server, wait_for):
     assert wait_for(lambda: idle(engine, async_engine))
     assert len(engine.aborted) == 3 and sorted(engine.aborted) == sorted(engine.added)
     assert engine.kv_free_tokens() == engine.KV_TOKENS
+    # the aborts left the engine idle without another step: the gauges must say so anyway
+    metrics = httpx.get(url + "/metrics").text.splitlines()
+    assert "dspark_num_requests_running 0.0" in metrics
+    assert "dspark_num_requests_waiting 0.0" in metrics
+    assert f"dspark_kv_free_tokens {float(engine.KV_TOKENS)}" in metrics
     assert httpx.post(url + COMP, json=long_body(2, max_tokens=5)).status_code == 200
 
 
