@@ -21,8 +21,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,10 +28,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from dspark_serve.engine.config import EngineConfig
-from dspark_serve.server.app import create_app
 
 
 def _load_oracle_module():
@@ -119,34 +115,6 @@ class LiveServer:
             time.sleep(0.05)
 
 
-@dataclass
-class _Running:
-    server: uvicorn.Server
-    thread: threading.Thread
-    sock: socket.socket
-
-
-def _start(engine) -> tuple[str, object, _Running]:
-    app = create_app(engine)
-    # IPPROTO_TCP makes asyncio set TCP_NODELAY (no Nagle + delayed-ACK stalls on keep-alive)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    return f"http://127.0.0.1:{sock.getsockname()[1]}", app, _Running(server, thread, sock)
-
-
-def _stop(running: _Running) -> None:
-    running.server.should_exit = True
-    running.thread.join(30)
-    running.sock.close()
-
-
 def _engine(speculative: str, tmp_path_factory):
     from dspark_serve.engine.llm_engine import LLMEngine
 
@@ -160,25 +128,23 @@ def _engine(speculative: str, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def spec_server(tmp_path_factory):
+def spec_server(tmp_path_factory, serve_engine):
     """DSpark server whose drafter is the ``OracleDrafter`` (learning from ``ref_server``)."""
     engine = _engine("dspark", tmp_path_factory)
     oracle = OracleDrafter(engine.speculator.drafter, engine)
     engine.speculator.drafter = oracle
     recorder = Recorder(engine)
-    url, app, running = _start(engine)
-    yield LiveServer("dspark", url, engine, recorder, oracle, app.state.metrics)
-    _stop(running)
+    with serve_engine(engine) as (url, app):
+        yield LiveServer("dspark", url, engine, recorder, oracle, app.state.metrics)
 
 
 @pytest.fixture(scope="session")
-def ref_server(tmp_path_factory, spec_server):
+def ref_server(tmp_path_factory, serve_engine, spec_server):
     """Plain-decoding server; its finished greedy requests teach the spec server's oracle."""
     engine = _engine("none", tmp_path_factory)
     recorder = Recorder(engine, on_greedy=spec_server.oracle.learn)
-    url, app, running = _start(engine)
-    yield LiveServer("none", url, engine, recorder, None, app.state.metrics)
-    _stop(running)
+    with serve_engine(engine) as (url, app):
+        yield LiveServer("none", url, engine, recorder, None, app.state.metrics)
 
 
 @pytest.fixture(params=["none", "dspark"])

@@ -3,21 +3,16 @@ loopback port serving it, for the server tests."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import random
-import socket
-import threading
 import time
 import zlib
 from dataclasses import dataclass, field
 
 import pytest
-import uvicorn
 from jinja2 import TemplateError
 
 from dspark_serve.engine.outputs import RequestFailed, RequestOutput, SpecStats, StepStats
 from dspark_serve.engine.params import SamplingParams
-from dspark_serve.server.app import create_app
 
 EOS = 0
 ALPHABET = [ord(c) for c in "abcdefghijklmnop "]
@@ -181,31 +176,6 @@ class FakeEngine:
                             r.stats.drafted_tokens, r.stats.accepted_tokens))
 
 
-@contextlib.contextmanager
-def serve(engine):
-    """Run ``create_app(engine)`` under uvicorn on a free loopback port; yields
-    (base_url, app)."""
-    app = create_app(engine)
-    # proto IPPROTO_TCP makes asyncio set TCP_NODELAY on accepted connections; without it
-    # Nagle + delayed ACK add 40 ms to every keep-alive request
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
-
-
 def wait_until(predicate, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -216,21 +186,16 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def fake_server():
+def fake_server(serve_engine):
     """(base_url, FakeEngine, app): one server per test module, 1 ms per engine step."""
     engine = FakeEngine(step_delay=0.001)
-    with serve(engine) as (url, app):
+    with serve_engine(engine) as (url, app):
         yield url, engine, app
 
 
 @pytest.fixture
 def make_fake_engine():
     return FakeEngine
-
-
-@pytest.fixture
-def serve_engine():
-    return serve
 
 
 @pytest.fixture
