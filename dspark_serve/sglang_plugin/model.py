@@ -1,0 +1,34 @@
+"""Our drafter architecture in SGLang's ModelRegistry, under ``DRAFTER_ARCHITECTURE``.
+
+The class runs on SGLang's paged draft machinery (its model runner, KV pool, attention backends
+and CUDA graphs need an SGLang model), so it extends SGLang's ``Qwen3DSparkModel`` (same
+DeepSpec tensor names, ``sglang/srt/models/dspark.py``) and adds our checkpoint contract: the
+config must parse with ``DSparkConfig.from_deepspec_dict`` (DeepSpec format, label offset 0, the
+head types we implement), so a checkpoint we cannot train, calibrate or serve on the embedded
+engine is refused with our ValueError instead of loading with other semantics.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from dspark_serve.drafter.config import DEEPSPEC_ARCHITECTURE, DSparkConfig
+
+
+def check_drafter_config(config: dict[str, Any]) -> DSparkConfig:
+    """Our ``DSparkConfig`` of a draft HF config dict (any ``architectures`` value: the draft
+    worker renames it). Raises ValueError as ``DSparkConfig.from_deepspec_dict`` does."""
+    return DSparkConfig.from_deepspec_dict({**config, "architectures": [DEEPSPEC_ARCHITECTURE]})
+
+
+def model_class():
+    """The registered class (imports sglang's model code)."""
+    from sglang.srt.models.dspark import Qwen3DSparkModel
+
+    class DSparkServeDrafter(Qwen3DSparkModel):
+        """SGLang's DSpark draft model behind our checkpoint contract (module docstring)."""
+
+        def __init__(self, config, quant_config=None, prefix: str = "") -> None:
+            self.dspark_config = check_drafter_config(config.to_dict())
+            super().__init__(config, quant_config=quant_config, prefix=prefix)
+
+    return DSparkServeDrafter
