@@ -61,5 +61,39 @@ fi
 
 echo "== benchmark"
 "$PY" -m dspark_serve.bench.kernels "${bench_args[@]}" || status=1
+echo "== SGLang plugin smoke (DSPARK_SERVE vs no speculation, greedy)"
+# Only where sglang is importable; bounded: 600 s per server start, 120 s per request.
+# Needs a drafter for the model (shipped or DSPARK_DRAFT) and a cost table (DSPARK_COST_TABLE).
+if "$PY" -c "import sglang" 2>/dev/null; then
+  port=30123
+  prompt='{"messages":[{"role":"user","content":"Count from 1 to 20."}],"temperature":0,"max_tokens":64}'
+  smoke() {  # smoke NAME SERVE_ARGS...: start, ask once, stop; prints the reply text
+    local name=$1; shift
+    "$PY" -m dspark_serve.cli serve --backend sglang --port $port "$@" \
+      > "${OUT:-/tmp}/sglang_$name.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq 120); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+      kill -0 $pid 2>/dev/null || break; sleep 5
+    done
+    curl -sf -m 120 "http://127.0.0.1:$port/v1/chat/completions" \
+      -H 'Content-Type: application/json' -d "$prompt" \
+      | "$PY" -c "import json,sys; print(json.load(sys.stdin)['choices'][0]['message']['content'])"
+    kill $pid 2>/dev/null; wait $pid 2>/dev/null
+  }
+  base=$(smoke none --speculative none)
+  spec_args=(--cost-table "${DSPARK_COST_TABLE:-}")
+  [[ -n "${DSPARK_DRAFT:-}" ]] && spec_args+=(--draft "$DSPARK_DRAFT")
+  spec=$(smoke dspark "${spec_args[@]}")
+  if [[ -n "$base" && "$base" == "$spec" ]]; then
+    echo "SGLang DSPARK_SERVE greedy output equals no speculation"
+  else
+    echo "SGLang smoke FAILED (logs: ${OUT:-/tmp}/sglang_*.log)"; echo "none:  $base"; echo "spec:  $spec"
+    status=1
+  fi
+else
+  echo "sglang not importable: skipped (pip install 'dspark-serve[sglang]')"
+fi
+
 echo "== gpu_check: $([[ $status -eq 0 ]] && echo PASS || echo FAIL) after $SECONDS s"
 exit $status
