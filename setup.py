@@ -76,6 +76,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["dspark_serve*", "profiler*", "loadtest*"]),
     include_package_data=True,
+    # the shipped drafters (safetensors + config + STS calibration) travel inside the wheel
+    package_data={"dspark_serve.models": ["drafters/*/*/*"]},
     install_requires=[
         "torch>=2.9",
         "numpy",
