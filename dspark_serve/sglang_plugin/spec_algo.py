@@ -9,6 +9,11 @@ builtin ``SpeculativeAlgorithm.DSPARK``. Imports sglang; load it through ``regis
 methods, but the scheduler also calls ``create_future_map`` (``managers/scheduler.py``),
 ``need_topk`` (``managers/overlap_utils.py``) and ``carries_draft_hidden_states``
 (``managers/scheduler.py``); ``CustomSpecAlgo`` has none of them, so they are defined here.
+
+Where SGLang tests the algorithm *object* against the builtin member (``batch.spec_algorithm
+in (..., SpeculativeAlgorithm.DSPARK)`` in ``metrics_reporter``), the object compares equal to
+``SpeculativeAlgorithm.DSPARK``; where it tests the configured *name*, ``algorithm_name`` does
+the same for the string.
 """
 from __future__ import annotations
 
@@ -20,6 +25,13 @@ _DSPARK = SpeculativeAlgorithm.DSPARK
 
 class DSparkServeSpecAlgo(CustomSpecAlgo):
     """``CustomSpecAlgo`` answering like the builtin DSPARK, with our worker and checks."""
+
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is _DSPARK
+
+    # Identity hash (CustomSpecAlgo's): a dict keyed by SpeculativeAlgorithm.DSPARK does not
+    # find this object; no SGLang 0.5.23 site keys algorithms that way (the site test checks).
+    __hash__ = CustomSpecAlgo.__hash__
 
     def is_dspark(self) -> bool:
         return True
