@@ -12,7 +12,10 @@ kernels, ``GenerationBatchResult`` filling (``accept_lens``, ``block_accept_lens
 - cost table and STS files: read and validated with ``CostTable.load`` / ``load_sts_calibration``;
 - verify budget K: ``scheduling.LaggedBudgetPlanner`` (Section 5.2, conservative SPS);
 - admission: ``scheduling.verify_lens_from_confidence`` (top-K of current slots), with
-  penalised requests capped to 0 drafts (``verify_fixes.draft_caps``).
+  penalised requests capped to 0 drafts (``verify_fixes.draft_caps``);
+- min-p: the eager accept gets min-p-masked verify logits (``DSparkServeVerifyExecutor``), and
+  min-p batches stay off SGLang's sampling-accept graph, which replays the accept without the
+  mask. The folded in-graph accept is greedy only, where min-p never removes the argmax.
 Imports sglang; load it through ``register`` only.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sglang.srt.managers.overlap_utils import CONFIDENCE_RELAY_RING_LAG
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.runtime_context import get_schedule, get_spec
 from sglang.srt.speculative.dspark_components.dspark_planner import DSparkVerifyPlanner
+from sglang.srt.speculative.dspark_components.dspark_verify import TargetVerifyExecutor
 from sglang.srt.speculative.dspark_components.dspark_worker_v2 import DSparkWorkerV2
 from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 
@@ -31,7 +35,7 @@ from dspark_serve.calibration.io import load_sts_calibration
 from dspark_serve.scheduling.cost_table import CostTable
 from dspark_serve.sglang_plugin import DRAFTER_ARCHITECTURE
 from dspark_serve.sglang_plugin.scheduling import LaggedBudgetPlanner, verify_lens_from_confidence
-from dspark_serve.sglang_plugin.verify_fixes import draft_caps
+from dspark_serve.sglang_plugin.verify_fixes import draft_caps, min_p_target_logits
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,21 @@ class DSparkServeVerifyPlanner(DSparkVerifyPlanner):
         return verify_lens
 
 
+class DSparkServeVerifyExecutor(TargetVerifyExecutor):
+    """SGLang's verify executor whose eager accept sees the min-p target
+    (``verify_fixes.min_p_target_logits``)."""
+
+    def accept_and_finalize(self, *, folded_accept, target_logits, sampling_info, **kwargs):
+        if (not folded_accept and target_logits is not None and sampling_info is not None
+                and sampling_info.need_min_p_sampling):
+            target_logits = min_p_target_logits(target_logits, sampling_info.temperatures,
+                                                sampling_info.min_ps,
+                                                self.verify_num_draft_tokens)
+        return super().accept_and_finalize(folded_accept=folded_accept,
+                                           target_logits=target_logits,
+                                           sampling_info=sampling_info, **kwargs)
+
+
 class DSparkServeWorker(DSparkWorkerV2):
     """The ``DSPARK_SERVE`` worker (module docstring). Same constructor as ``DSparkWorkerV2``."""
 
@@ -74,6 +93,9 @@ class DSparkServeWorker(DSparkWorkerV2):
         cost_table = CostTable.load(spec.speculative_dspark_sps_table_path)
         super().__init__(server_args, gpu_id, nccl_port, target_worker,
                          draft_worker_cls=draft_worker_cls)
+        executor = getattr(self, "_verify_executor", None)
+        if type(executor) is TargetVerifyExecutor:
+            executor.__class__ = DSparkServeVerifyExecutor
         if not self._hosts_draft:
             return
         planner = self._verify_planner
@@ -92,6 +114,12 @@ class DSparkServeWorker(DSparkWorkerV2):
             self._verify_planner.row_caps = _penalty_caps(batch, self.gamma)
         return super().forward_batch_generation(batch, on_publish, grammar_barrier,
                                                 pp_proxy_tensors=pp_proxy_tensors)
+
+
+    def _sampling_graph_eligible(self, *, sampling_info, **kwargs) -> bool:
+        if sampling_info is not None and sampling_info.need_min_p_sampling:
+            return False
+        return super()._sampling_graph_eligible(sampling_info=sampling_info, **kwargs)
 
 
 def _penalty_caps(batch, gamma: int) -> torch.Tensor | None:
