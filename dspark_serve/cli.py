@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 # Before torch is imported: spin-waiting OpenMP barriers make multi-threaded CPU steps 5-30x
@@ -40,8 +41,38 @@ def main(argv: list[str] | None = None) -> int:
             importlib.import_module(module).add_parser(sub)
         else:
             sub.add_parser(name, help=f"see dspark-serve {name} --help")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command == "serve" and getattr(args, "backend", None) == "sglang":
+        # SGLang's own flags pass through unchanged; `--` is optional.
+        args = parser.parse_args(_move_after_dashdash(argv, unknown))
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args.func(args) or 0)
+
+
+def _move_after_dashdash(argv: list[str], unknown: list[str]) -> list[str]:
+    """``argv`` with each unknown flag (and the values after it) moved behind ``--``.
+
+    argparse alone would hand an unknown flag's value to ``serve``'s positional
+    ``sglang_args`` and the flag to the leftovers, splitting ``--tp-size 2``.
+    """
+    flags = {u for u in unknown if u.startswith("-") and not _NUMBER.match(u)}
+    end = argv.index("--") if "--" in argv else len(argv)
+    kept, moved, i = [], [], 0
+    while i < end:
+        if argv[i] in flags:
+            moved.append(argv[i])
+            i += 1
+            while i < end and (not argv[i].startswith("-") or _NUMBER.match(argv[i])):
+                moved.append(argv[i])
+                i += 1
+        else:
+            kept.append(argv[i])
+            i += 1
+    return [*kept, "--", *moved, *argv[end + 1:]]
+
+
+_NUMBER = re.compile(r"^-\d")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 ``build_sglang_argv`` turns our ``serve`` flags into ``sglang.launch_server`` flags (pure, tested
 without SGLang); ``run`` execs ``python -m sglang.launch_server``, whose ``load_plugins()`` finds
-our ``sglang.srt.plugins`` entry point. Flags after ``--`` go to SGLang unchanged and last, so
-they override ours (SGLang's argparse keeps the last value).
+our ``sglang.srt.plugins`` entry point. Flags ``serve`` does not know (``dspark_serve.cli``
+moves them behind ``--``) and flags after ``--`` go to SGLang unchanged and last, so they
+override ours (SGLang's argparse keeps the last value).
 """
 from __future__ import annotations
 

@@ -44,3 +44,43 @@ def test_argv_without_speculation_and_errors():
 
 def test_embedded_stays_default():
     assert _parse([]).backend == "embedded" and _parse([]).sglang_args == []
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Run ``dspark-serve`` main() with the serve action replaced by a recorder."""
+    import dspark_serve.server.cli as serve_cli
+    from dspark_serve.cli import main
+    seen = []
+    monkeypatch.setattr(serve_cli, "run", lambda args: seen.append(args) or 0)
+
+    def run(argv):
+        assert main(argv) == 0
+        return seen[-1]
+    return run
+
+
+def test_sglang_flags_pass_through_without_dashdash(served):
+    args = served(["serve", "--backend", "sglang", "--tp-size", "2", "--port", "9000",
+                   "--mem-fraction-static", "0.7", "--chunked-prefill-size", "-1",
+                   "--enable-metrics", "--log-requests-level=2", "--gamma", "4",
+                   "--", "--attention-backend", "fa3"])
+    assert args.port == 9000 and args.gamma == 4 and args.backend == "sglang"
+    assert args.sglang_args == ["--tp-size", "2", "--mem-fraction-static", "0.7",
+                                "--chunked-prefill-size", "-1", "--enable-metrics",
+                                "--log-requests-level=2", "--attention-backend", "fa3"]
+    # Order of --backend does not matter; known flags stay ours.
+    args = served(["serve", "--tp-size", "2", "--backend", "sglang", "--seed", "3"])
+    assert args.sglang_args == ["--tp-size", "2"] and args.seed == 3
+
+
+@pytest.mark.parametrize("argv", [
+    ["serve", "--tp-size", "2"],                                   # embedded by default
+    ["serve", "--backend", "embedded", "--mem-fraction-static", "0.7"],
+    ["bench", "scheduler", "--backend", "sglang", "--no-such-flag"],  # other subcommands
+])
+def test_unknown_flags_rejected_elsewhere(served, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        served(argv)
+    assert exc.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err
