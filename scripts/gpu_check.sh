@@ -35,7 +35,8 @@ echo "== inputs"
 "$PY" -m dspark_serve.bench.kernels --dry-run "${bench_args[@]}" || exit 2
 if [[ $dry -eq 1 ]]; then
   echo "== plan: DSPARK_BUILD_CUDA=1 DSPARK_CUDA_ARCHS=<this GPU> $PY setup.py build_ext --inplace;"
-  echo "   GPU tests (pytest tests/gpu, or unittest without pytest); $PY -m dspark_serve.bench.kernels"
+  echo "   GPU tests (pytest tests/gpu, or unittest without pytest); $PY -m dspark_serve.bench.kernels;"
+  echo "   where sglang imports: DSPARK_SERVE vs no speculation on 20 MT-Bench prompts (< 6 min)"
   for tool in nvcc ninja; do
     command -v "$tool" >/dev/null || [[ -x "${CUDA_HOME:-/nonexistent}/bin/$tool" ]] \
       || echo "warning: $tool not found (needed for the build)"
@@ -61,35 +62,89 @@ fi
 
 echo "== benchmark"
 "$PY" -m dspark_serve.bench.kernels "${bench_args[@]}" || status=1
-echo "== SGLang plugin smoke (DSPARK_SERVE vs no speculation, greedy)"
-# Only where sglang is importable; bounded: 600 s per server start, 120 s per request.
-# Needs a drafter for the model (shipped or DSPARK_DRAFT) and a cost table (DSPARK_COST_TABLE).
+echo "== SGLang plugin (DSPARK_SERVE vs no speculation: 20 MT-Bench prompts, greedy)"
+# Only where sglang is importable. Bounded to < 6 min on an H200: each server gets 100 s to
+# come up, 50 s for the 20 prompts (one at a time, 64 tokens, 15 s each), 11 s to stop.
+# Needs a drafter for the model (shipped, or DSPARK_DRAFT); DSPARK_COST_TABLE is the SPS table
+# (default: a flat one, which admits every positive-survival draft: right for equality, not
+# for speed).
 if "$PY" -c "import sglang" 2>/dev/null; then
   port=30123
-  prompt='{"messages":[{"role":"user","content":"Count from 1 to 20."}],"temperature":0,"max_tokens":64}'
-  smoke() {  # smoke NAME SERVE_ARGS...: start, ask once, stop; prints the reply text
+  logs=${OUT:-/tmp}
+  sglang_start=$SECONDS
+  sglang_up() {  # sglang_up NAME SERVE_ARGS...: start in its own process group; sets spid
     local name=$1; shift
-    "$PY" -m dspark_serve.cli serve --backend sglang --port $port "$@" \
-      > "${OUT:-/tmp}/sglang_$name.log" 2>&1 &
-    local pid=$!
-    for _ in $(seq 120); do
-      curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-      kill -0 $pid 2>/dev/null || break; sleep 5
+    setsid "$PY" -m dspark_serve.cli serve --backend sglang --port $port --enable-metrics "$@" \
+      > "$logs/sglang_$name.log" 2>&1 &
+    spid=$!
+    local deadline=$((SECONDS + 100))
+    while (( SECONDS < deadline )); do
+      curl -sf -m 5 "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+      kill -0 $spid 2>/dev/null || break; sleep 2
     done
-    curl -sf -m 120 "http://127.0.0.1:$port/v1/chat/completions" \
-      -H 'Content-Type: application/json' -d "$prompt" \
-      | "$PY" -c "import json,sys; print(json.load(sys.stdin)['choices'][0]['message']['content'])"
-    kill $pid 2>/dev/null; wait $pid 2>/dev/null
+    echo "SGLang $name server did not come up (log: $logs/sglang_$name.log)"
+    sglang_down; return 1
   }
-  base=$(smoke none --speculative none)
-  spec_args=(--cost-table "${DSPARK_COST_TABLE:-}")
+  sglang_down() {
+    kill -TERM -- -$spid 2>/dev/null
+    for _ in $(seq 8); do kill -0 $spid 2>/dev/null || break; sleep 1; done
+    kill -KILL -- -$spid 2>/dev/null; wait $spid 2>/dev/null; sleep 3   # GPU memory back
+  }
+  sglang_ask() {  # sglang_ask OUT_JSON: greedy replies to the first 20 MT-Bench prompts
+    timeout 50 "$PY" - "$1" $port <<'PYEOF'
+import json, sys, urllib.request
+from dspark_serve.data.prompt_sets import load_prompts
+replies = []
+for prompt in load_prompts("mtbench", 20):
+    body = json.dumps({"messages": [{"role": "user", "content": prompt}],
+                       "temperature": 0, "max_tokens": 64}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[2]}/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=15) as reply:
+        replies.append(json.load(reply)["choices"][0]["message"]["content"])
+with open(sys.argv[1], "w") as f:
+    json.dump(replies, f)
+PYEOF
+  }
+  sglang_accept_len() {  # mean accepted length (tokens per verify step) from /server_info or /metrics
+    curl -sf -m 5 "http://127.0.0.1:$port/server_info" | "$PY" -c \
+      "import json,sys; print(json.load(sys.stdin)['internal_states'][0]['avg_spec_accept_length'])" \
+      2>/dev/null \
+    || curl -sf -m 5 "http://127.0.0.1:$port/metrics" | grep -m1 '^sglang:spec_accept_length' \
+    || echo "n/a"
+  }
+  table=${DSPARK_COST_TABLE:-$logs/sglang_flat_sps.json}
+  if [[ -z "${DSPARK_COST_TABLE:-}" ]]; then
+    "$PY" -c "from dspark_serve.scheduling.cost_table import CostTable; import sys
+CostTable((1, 4096), (100.0, 100.0), 4096).save(sys.argv[1])" "$table"
+  fi
+  spec_args=(--cost-table "$table")
   [[ -n "${DSPARK_DRAFT:-}" ]] && spec_args+=(--draft "$DSPARK_DRAFT")
-  spec=$(smoke dspark "${spec_args[@]}")
-  if [[ -n "$base" && "$base" == "$spec" ]]; then
-    echo "SGLang DSPARK_SERVE greedy output equals no speculation"
+  sglang_ok=0
+  if sglang_up none --speculative none; then
+    sglang_ask "$logs/sglang_none.json" || echo "no-speculation requests failed"
+    sglang_down
+    if sglang_up dspark "${spec_args[@]}"; then
+      sglang_ask "$logs/sglang_dspark.json" || echo "DSPARK_SERVE requests failed"
+      echo "DSPARK_SERVE mean accepted length: $(sglang_accept_len)"
+      sglang_down
+      "$PY" - "$logs/sglang_none.json" "$logs/sglang_dspark.json" <<'PYEOF' && sglang_ok=1
+import json, sys
+base, spec = (json.load(open(p)) for p in sys.argv[1:3])
+same = sum(a == b for a, b in zip(base, spec))
+print(f"{same}/{len(base)} greedy DSPARK_SERVE outputs equal no speculation")
+for i, (a, b) in enumerate(zip(base, spec)):
+    if a != b:
+        k = next(k for k in range(len(a) + 1) if a[k:k + 1] != b[k:k + 1])
+        print(f"  prompt {i}: first difference at character {k}: {a[k:k + 40]!r} vs {b[k:k + 40]!r}")
+sys.exit(0 if len(base) == len(spec) == 20 and same == 20 else 1)
+PYEOF
+    fi
+  fi
+  if [[ $sglang_ok -eq 1 ]]; then
+    echo "SGLang section passed in $((SECONDS - sglang_start)) s"
   else
-    echo "SGLang smoke FAILED (logs: ${OUT:-/tmp}/sglang_*.log)"; echo "none:  $base"; echo "spec:  $spec"
-    status=1
+    echo "SGLang section FAILED (logs: $logs/sglang_*.log)"; status=1
   fi
 else
   echo "sglang not importable: skipped (pip install 'dspark-serve[sglang]')"
