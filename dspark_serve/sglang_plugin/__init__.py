@@ -4,8 +4,8 @@ calibration and cost-table files inside stock ``sglang==0.5.23`` as the speculat
 
 Nothing in this package imports sglang at import time: ``register`` (the
 ``sglang.srt.plugins`` entry point), ``worker``, ``spec_algo`` and ``model`` import it lazily,
-so ``import dspark_serve`` works without SGLang. ``scheduling``, ``results``, ``verify_fixes``
-and ``launch`` are plain PyTorch / Python and testable on a CPU.
+so ``import dspark_serve`` works without SGLang. ``scheduling``, ``results``, ``verify_fixes``,
+``algorithm_name`` and ``launch`` are plain PyTorch / Python and testable on a CPU.
 """
 
 ALGORITHM_NAME = "DSPARK_SERVE"
