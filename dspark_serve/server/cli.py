@@ -48,8 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="embedded: this package's engine (CPU or GPU); sglang: SGLang 0.5.23 "
                         "with the DSPARK_SERVE plugin, needs a GPU and "
                         "pip install 'dspark-serve[sglang]' (default: %(default)s)")
-    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG_FLAGS",
-                   help="with --backend sglang: flags after -- go to SGLang's server unchanged")
+    p.add_argument("sglang_args", nargs="*", metavar="SGLANG_FLAGS",
+                   help="with --backend sglang: any other flags (e.g. --tp-size 2) go to "
+                        "SGLang's server unchanged, as do flags after --")
     p.set_defaults(func=run)
     return p
 
