@@ -22,7 +22,7 @@ the key length L is padded to a multiple of ``KV_BLOCK`` (unpadded, the probs @ 
 is blocked differently and ~1% of rows change their last bit; the masked keys of extra blocks
 add exact zeros), and a grid row holds at most ``MAX_GRID_ROWS`` query-head rows (oneDNN
 switches bf16 matmul kernels above 32 rows). oneDNN's bfloat16 linears are row-independent
-too (``linear``), so a bfloat16 target computes identical logits for a token whether it is
+too as long as one call has few enough rows (``linear`` bounds them), so a bfloat16 target computes identical logits for a token whether it is
 decoded alone, verified in a block or batched with other requests: greedy speculative
 decoding then reproduces plain decoding token for token. (Float32 matmuls go through MKL,
 whose results depend on the row count by ~1e-6 relative.)

@@ -203,6 +203,45 @@ def test_bfloat16_logits_do_not_depend_on_batching(name):
         assert torch.equal(block, mixed)
 
 
+def test_bfloat16_logits_do_not_depend_on_step_size():
+    """A token's bfloat16 logits have the same bits when it is decoded alone, verified in a
+    block of 8, run in one 200-token step next to a slot at a much larger position, or among
+    many slots' tokens. The MLP's down projection has K = 3072, where oneDNN blocks the K
+    reduction differently for calls of many rows (a few % of the rows change their last bit)
+    unless the linears bound their rows per call."""
+    config = LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 3072,
+                            "num_hidden_layers": 2, "max_position_embeddings": 1024})
+    torch.manual_seed(3)
+    model = TargetModel.from_hf(AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+    n = 200
+    seq = torch.randint(0, 96, (n,), generator=gen)
+
+    def run(steps):
+        """steps: lists of (slot, token ids, first position); returns slot 0's logits [n, V]
+        in position order (the cache's other slots hold zeros or other requests' keys)."""
+        cache = model.new_kv_cache(7, 1024)
+        for _ in range(7):
+            cache.allocate()
+        rows = []
+        for step in steps:
+            slots = torch.cat([torch.full((len(t),), s) for s, t, _ in step])
+            positions = torch.cat([torch.arange(p, p + len(t)) for _, t, p in step])
+            logits = model.forward(torch.cat([t for _, t, _ in step]), slots, positions,
+                                   cache).logits
+            rows.append(logits[slots == 0])
+        return torch.cat(rows)
+
+    alone = run([[(0, seq[p:p + 1], p)] for p in range(n)])
+    blocks = run([[(0, seq[p:p + 8], p)] for p in range(0, n, 8)])
+    far = torch.randint(0, 96, (1,), generator=gen)
+    one_step = run([[(1, far, 1000), (0, seq, 0)]])
+    others = [(s, torch.randint(0, 96, (3 * s,), generator=gen), 40 * s) for s in range(2, 7)]
+    many = run([[(0, seq[:n // 2], 0)] + others, [(0, seq[n // 2:], n // 2)] + others[::-1]])
+    for logits in (blocks, one_step, many):
+        assert torch.equal(logits, alone)
+
+
 def test_rejects_unsupported_models():
     with pytest.raises(ValueError, match="unsupported target model_type 'gpt2'"):
         load_weights(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
