@@ -36,7 +36,7 @@ def _ints(text: str) -> list[int]:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="target HF folder (default: the default model, "
                                    "SmolLM2-135M-Instruct, converted once and cached)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="weight dtype (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default: %(default)s)")

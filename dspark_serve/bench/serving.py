@@ -200,7 +200,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="dspark verify-length scheduler (default: %(default)s)")
     parser.add_argument("--gamma", type=_positive, help="block size (default: the drafter's)")
     parser.add_argument("--cost-table", help="SPS cost table JSON (default: profile at start)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="weight dtype (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one decode step per mode at the largest concurrency")

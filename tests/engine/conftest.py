@@ -78,7 +78,7 @@ def generate(engine: LLMEngine, prompts: dict[str, list[int]],
 def make_engine(tmp_path_factory) -> Callable[..., LLMEngine]:
     """``make_engine(**EngineConfig fields)``: an engine of the default model with COST_TABLE
     (no start-up profiling), cached for the test module (freed after it: each engine holds
-    the ~0.5 GB float32 target)."""
+    the target, ~0.3 GB in bfloat16)."""
     table = tmp_path_factory.mktemp("engine") / "cost_table.json"
     COST_TABLE.save(str(table))
     engines: dict[tuple, LLMEngine] = {}

@@ -6,7 +6,8 @@ from dspark_serve.engine.config import EngineConfig
 
 def test_defaults():
     c = EngineConfig()
-    assert (c.speculative, c.scheduler, c.gamma, c.model) == ("dspark", "async", None, None)
+    assert (c.speculative, c.scheduler, c.gamma, c.model, c.dtype) == (
+        "dspark", "async", None, None, "bfloat16")
 
 
 @pytest.mark.parametrize("kwargs, text", [
