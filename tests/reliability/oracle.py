@@ -36,7 +36,9 @@ def allowed_count(ranked: list[tuple[int, float]], top_k: int, top_p: float, min
             keep += 1
         if cum < top_p - tol and keep == len(probs):
             return None
-        n = min(n, keep)
+        # warp_probs keeps every token tied with the last one in the nucleus (bfloat16
+        # logits tie often: measured, two tokens at exactly 0.37353 under top_p 0.3)
+        n = min(n, sum(p >= probs[keep - 1] - tol for p in probs))
     if min_p:
         n = min(n, sum(p >= min_p * probs[0] - tol for p in probs))
     return n
