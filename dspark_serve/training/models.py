@@ -1,5 +1,6 @@
 """The models of a training run: the frozen target tapped at the drafter's layers and the
-drafter (default shape, seeded initialisation, or a checkpoint being resumed)."""
+drafter (default shape with seeded initialisation, a drafter folder to warm-start from, or a
+checkpoint being resumed)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -30,8 +31,9 @@ def init_weights(drafter: DSparkDrafter, seed: int) -> None:
 
 def build_models(cfg, resume_from: Path | None):
     """(target, drafter, model name) for a run: the target (frozen, ``cfg.dtype``) tapped at the
-    drafter's layers, and a float32 drafter of the default shape (seeded init) or the one
-    saved at ``resume_from``."""
+    drafter's layers, and a float32 drafter: the one saved at ``resume_from`` if given, else
+    the drafter folder ``cfg.init_from`` (warm start, e.g. a shipped drafter trained further),
+    else the default shape with seeded initialisation."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dspark_serve.drafter.checkpoint import read_config
@@ -41,8 +43,9 @@ def build_models(cfg, resume_from: Path | None):
 
     path = cfg.model or default_model_path()
     name = Path(path).name if cfg.model else MODEL_NAME
-    if resume_from is not None:
-        dcfg = read_config(resume_from)
+    source = resume_from or (Path(cfg.init_from) if cfg.init_from else None)
+    if source is not None:
+        dcfg = read_config(source)
     else:
         tok = AutoTokenizer.from_pretrained(path)
         # the engine's rule for the mask token of a default-shape drafter
@@ -50,8 +53,8 @@ def build_models(cfg, resume_from: Path | None):
         dcfg = default_drafter_config(AutoConfig.from_pretrained(path), cfg.kind, mask_id)
     target = TargetModel.from_pretrained(path, dtype=cfg.dtype,
                                          target_layer_ids=dcfg.target_layer_ids)
-    if resume_from is not None:
-        drafter = load_drafter(resume_from, target.embed_tokens, target.lm_head,
+    if source is not None:
+        drafter = load_drafter(source, target.embed_tokens, target.lm_head,
                                dtype=torch.float32, device=target.device)
     else:
         drafter = DSparkDrafter(dcfg, target.embed_tokens, target.lm_head)

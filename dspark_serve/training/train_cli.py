@@ -28,6 +28,8 @@ _HELP = {
     "keep": "checkpoints kept",
     "time_budget_minutes": "fit the run into this wall time: time the first steps, then lower "
                            "--steps once (default: run all --steps)",
+    "init_from": "drafter folder to start from (e.g. the shipped one, to train it further; fresh "
+                 "optimizer and schedule); ignored when --out resumes a run",
 }
 
 

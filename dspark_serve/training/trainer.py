@@ -64,6 +64,7 @@ class TrainConfig:
     log_every: int = 10
     keep: int = 2
     time_budget_minutes: float | None = None
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("dspark", "dflash"):

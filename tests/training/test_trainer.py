@@ -106,3 +106,25 @@ def test_time_budget_lowers_the_step_count_once(tmp_path, make_target, make_draf
     assert [r["step"] for r in _log(tmp_path / "run")] == [1, 2, 3, 4]
     state = torch.load(tmp_path / "run" / "step-000004" / "trainer_state.pt", weights_only=False)
     assert state["total_steps"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_init_from_starts_at_the_shipped_drafter(tmp_path, kind):
+    """``--init-from`` warm-starts from a drafter folder: the run's drafter has its weights
+    (float32) and config, on the default model."""
+    from dspark_serve.models.default_drafter import shipped_drafter_path
+    from dspark_serve.models.default_model import MODEL_NAME
+    from dspark_serve.training.models import build_models
+
+    shipped = shipped_drafter_path(MODEL_NAME, kind)
+    if shipped is None:
+        pytest.skip(f"no shipped {kind} drafter")
+    cfg = _config(tmp_path, kind=kind, init_from=str(shipped))
+    target, drafter, _ = build_models(cfg, resume_from=None)
+    reference = load_drafter(shipped, target.embed_tokens, target.lm_head, dtype=torch.float32)
+    assert drafter.config == read_config(shipped)
+    expected = reference.state_dict()
+    got = drafter.state_dict()
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
