@@ -72,12 +72,16 @@ class StsCalibration:
         return len(self.temperatures)
 
     def temperatures_for(self, gamma: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Temperatures as a [gamma] float32 tensor; ValueError if fit for another gamma
-        (calibration is per position, so it cannot be truncated or padded)."""
-        if gamma != self.gamma:
+        """The first ``gamma`` temperatures as a [gamma] float32 tensor.
+
+        STS fits position k given positions 1..k-1 only (and prefix-survival labels of
+        position k do not depend on later drafts), so a calibration fit for a longer block
+        serves a shorter one unchanged. Raises ValueError when ``gamma`` exceeds the fitted
+        positions (there is nothing to pad with)."""
+        if not 1 <= gamma <= self.gamma:
             raise ValueError(f"STS calibration was fit for gamma={self.gamma} but the runtime "
                              f"gamma is {gamma}; refit it for gamma={gamma}")
-        return torch.tensor(self.temperatures, dtype=torch.float32, device=device)
+        return torch.tensor(self.temperatures[:gamma], dtype=torch.float32, device=device)
 
     def to_json(self) -> str:
         """Compact JSON, defaults omitted, in SGLang's key order."""

@@ -58,7 +58,10 @@ def test_bad_files_rejected(text, exc):
 
 def test_gamma_mismatch_and_unwritable_values():
     cal = StsCalibration(temperatures=[1.0, 2.0, 3.0])
+    assert cal.temperatures_for(2).tolist() == [1.0, 2.0]  # a shorter block: same positions
     with pytest.raises(ValueError, match="gamma=3"):
         cal.temperatures_for(5)
+    with pytest.raises(ValueError, match="gamma=3"):
+        cal.temperatures_for(0)
     with pytest.raises(ValueError):
         StsCalibration(temperatures=[1.0], ece_after=[float("nan")])

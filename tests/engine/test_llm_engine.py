@@ -1,5 +1,5 @@
 """The embedded engine on the real default model: speculative decoding gives exactly the
-tokens of plain decoding (temperature 0 and seeded sampling) with the untrained default
+tokens of plain decoding (temperature 0 and seeded sampling) with the default (shipped)
 drafter, and with oracle drafters that make blocks accepted, partially rejected and cut by
 max_tokens, stop tokens, stop strings and EOS. Every run has 8 requests in flight."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dspark_serve.engine.params import SamplingParams
 pytestmark = pytest.mark.slow
 
 REF_TOKENS = 32      # greedy reference length (oracle runs)
-SHORT_TOKENS = 6     # untrained-drafter runs: whole blocks verified, ~nothing accepted
+SHORT_TOKENS = 6     # default-drafter runs: whole blocks verified, few accepted
 MAX_NUM_SEQS = 8
 SPEC_MODES = [("dspark", "async"), ("dspark", "algorithm1"), ("dflash", "static")]
 MODE_IDS = [f"{m}-{s}" for m, s in SPEC_MODES]
@@ -35,9 +35,9 @@ def greedy_reference(engine_for, generate, mtbench_prompts):
 
 
 @pytest.mark.parametrize("mode", SPEC_MODES, ids=MODE_IDS)
-def test_greedy_untrained_drafter_equals_plain(mode, engine_for, generate, mtbench_prompts,
+def test_greedy_default_drafter_equals_plain(mode, engine_for, generate, mtbench_prompts,
                                                greedy_reference):
-    """The shipped (untrained) drafter: every block verified and rejected, output unchanged."""
+    """The default drafter: whole blocks verified, mostly rejected, output unchanged."""
     engine = engine_for(*mode)
     steps = []
     out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,

@@ -6,8 +6,8 @@ Two uvicorn servers run in this process for the whole session, each over a real 
 - ``spec_server``: ``--speculative dspark`` with the async scheduler and a small cost table
   written here (no startup profile), whose drafter is wrapped by an ``OracleDrafter``.
 
-The default drafter is untrained and accepts almost nothing, which would make every
-"inside an accepted block" case vacuous. The oracle replays the target's own greedy
+The default drafter accepts little (tau ~1.3), which would make most "inside an accepted
+block" cases rare. The oracle replays the target's own greedy
 continuation, recorded from the reference server's finished temperature-0 requests, so blocks
 really are accepted (up to gamma drafts plus the bonus token per round). It still runs the real
 drafter first (its shapes and positions stay exercised, e.g. near the context limit) and only
