@@ -74,6 +74,14 @@ def test_sglang_flags_pass_through_without_dashdash(served):
     assert args.sglang_args == ["--tp-size", "2"] and args.seed == 3
 
 
+def test_pass_through_from_the_console_script_argv(monkeypatch, served):
+    # the `dspark-serve` entry point calls main() without arguments: sys.argv is read
+    monkeypatch.setattr("sys.argv", ["dspark-serve", "serve", "--backend", "sglang",
+                                     "--tp-size", "2"])
+    args = served(None)
+    assert args.sglang_args == ["--tp-size", "2"] and args.backend == "sglang"
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--tp-size", "2"],                                   # embedded by default
     ["serve", "--backend", "embedded", "--mem-fraction-static", "0.7"],
