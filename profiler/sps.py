@@ -84,8 +84,13 @@ def profile_sps(step: StepFn, batch_tokens: list[int], context_lens: list[int], 
     """Median wall time of ``step(B, C)`` for every B in ``batch_tokens`` and C in
     ``context_lens``, after ``warmup`` untimed calls per probe.
 
-    B is the outer loop (ascending), so a ``time_budget_s`` (seconds) stops the sweep after the
-    first B at which the budget is spent, with every context length measured up to that B.
+    Probes are timed in ``repeats`` rounds, each running every (B, C) once (B ascending), and a
+    probe keeps its median over the rounds. A shared host has slow periods seconds long (other
+    tenants; measured 2x step times on this project's 2-core CPU): timed probe by probe, such a
+    period inflates whichever few B it overlaps and bends SPS(B), whose ratios between B's are
+    what the scheduler uses; interleaved, it costs every B one round. The first round stops
+    after the first B at which ``time_budget_s / repeats`` seconds are spent, counted from the
+    end of the very first warm-up (every context length measured up to that B); later rounds time only the probes of the first.
     ``sync`` (e.g. ``torch.cuda.synchronize``) runs after each call so asynchronous devices are
     timed to completion.
 
@@ -103,31 +108,42 @@ def profile_sps(step: StepFn, batch_tokens: list[int], context_lens: list[int], 
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     sync = sync or (lambda: None)
-    times: dict[int, list[float]] = {c: [] for c in context_lens}
+
+    def timed(b: int, c: int) -> float:
+        t0 = time.perf_counter()
+        step(b, c)
+        sync()
+        return time.perf_counter() - t0
+
+    samples: dict[tuple[int, int], list[float]] = {}
     measured: list[int] = []
-    start = time.perf_counter()
-    bar = tqdm(total=len(batch_tokens) * len(context_lens), desc="SPS(B)", unit="probe",
-               disable=not progress)
+    start = None
+    bar = tqdm(total=len(batch_tokens) * len(context_lens) * repeats, desc="SPS(B)",
+               unit="step", disable=not progress)
     with bar:
         for b in batch_tokens:
             for c in context_lens:
                 bar.set_postfix(B=b, ctx=c)
                 for _ in range(warmup):
-                    step(b, c)
-                    sync()
-                samples = []
-                for _ in range(repeats):
-                    t0 = time.perf_counter()
-                    step(b, c)
-                    sync()
-                    samples.append(time.perf_counter() - t0)
-                times[c].append(statistics.median(samples))
+                    timed(b, c)
+                # The budget starts after the first warm-up: it holds one-time costs (first
+                # touch of the weights, kernel JIT), seconds on a CPU.
+                start = time.perf_counter() if start is None else start
+                samples[b, c] = [timed(b, c)]
                 bar.update()
             measured.append(b)
-            if time_budget_s is not None and time.perf_counter() - start >= time_budget_s:
+            if time_budget_s is not None and \
+                    time.perf_counter() - start >= time_budget_s / repeats:
                 break
+        bar.total = len(samples) * repeats
+        for _ in range(repeats - 1):
+            for b in measured:
+                for c in context_lens:
+                    samples[b, c].append(timed(b, c))
+                    bar.update()
     return SpsProfile(tuple(measured), tuple(context_lens),
-                      {c: tuple(ts) for c, ts in times.items()}, warmup, repeats)
+                      {c: tuple(statistics.median(samples[b, c]) for b in measured)
+                       for c in context_lens}, warmup, repeats)
 
 
 def cost_table_from_profile(profile: SpsProfile, *, context_len: int | None = None,

@@ -43,7 +43,7 @@ class FakeClock:
     def step(self, b, c):
         self.calls.append((b, c))
         # every 3rd call of a probe is an outlier the median must ignore
-        slow = 0.5 if len(self.calls) % 3 == 0 else 0.0
+        slow = 0.5 if self.calls.count((b, c)) % 3 == 0 else 0.0
         self.now += self.step_time(b, c) + slow
 
     def sync(self):
@@ -61,19 +61,36 @@ def test_profile_medians_and_order(clock):
     prof = profile_sps(clock.step, [1, 2, 4], [64, 16], warmup=1, repeats=5, sync=clock.sync,
                        progress=False)
     assert prof.batch_tokens == (1, 2, 4) and prof.context_lens == (16, 64)
-    assert clock.calls == [(b, c) for b in (1, 2, 4) for c in (16, 64) for _ in range(6)]
+    probes = [(b, c) for b in (1, 2, 4) for c in (16, 64)]
+    # first round: warm-up + one timed call per probe; then 4 rounds over every probe
+    assert clock.calls == [p for p in probes for _ in range(2)] + probes * 4
     assert clock.syncs == len(clock.calls)
     for c in (16, 64):
         assert prof.step_seconds[c] == pytest.approx([clock.step_time(b, c) for b in (1, 2, 4)])
     assert prof.steps_per_sec(16)[0] == pytest.approx(1 / clock.step_time(1, 16))
 
 
+def test_slow_period_spreads_over_all_probes(monkeypatch):
+    """A slow period as long as one probe's repeats inflates no probe's median."""
+    c = FakeClock()
+    monkeypatch.setattr(sps_module.time, "perf_counter", lambda: c.now)
+
+    def step(b, ctx):
+        c.calls.append((b, ctx))
+        c.now += c.step_time(b, ctx) * (3.0 if 4 <= len(c.calls) <= 6 else 1.0)
+
+    prof = profile_sps(step, [1, 2, 4], [0], warmup=0, repeats=3, progress=False)
+    assert prof.step_seconds[0] == pytest.approx([c.step_time(b, 0) for b in (1, 2, 4)])
+
+
 def test_time_budget_stops_growing_b(clock):
-    # each probe costs 2 calls (+ outliers); the budget runs out during B = 2
-    prof = profile_sps(clock.step, [1, 2, 4, 8], [0], warmup=1, repeats=1, time_budget_s=0.5,
+    # the first round (warm-up + 1 timed call per probe: 2 ms each at B = 1, 3 ms at B = 2)
+    # gets 0.014 / 2 s: it runs out during B = 2
+    prof = profile_sps(clock.step, [1, 2, 4, 8], [0], warmup=1, repeats=2, time_budget_s=0.014,
                        progress=False)
     assert prof.batch_tokens == (1, 2)
     assert len(prof.step_seconds[0]) == 2
+    assert clock.calls == [(1, 0), (1, 0), (2, 0), (2, 0), (1, 0), (2, 0)]
 
 
 @pytest.mark.parametrize("kwargs", [
