@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dspark_serve.engine.config import SCHEDULERS, DTYPES, EngineConfig
+from dspark_serve.engine.config import DTYPES, QUANTIZATIONS, SCHEDULERS, EngineConfig
 from dspark_serve.engine.params import SamplingParams
 
 MODES = ("none", "dspark", "dflash")
@@ -151,6 +151,7 @@ def profile_step(engine, prompts: list[list[int]], rows: int = 15) -> str:
 def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(speculative=mode, scheduler=args.scheduler, gamma=args.gamma,
                         cost_table=args.cost_table, dtype=args.dtype,
+                        quantization=args.quantization,
                         max_num_seqs=max(args.concurrency), max_model_len=args.max_model_len)
 
 
@@ -202,6 +203,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cost-table", help="SPS cost table JSON (default: profile at start)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="weight dtype (default: %(default)s)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                        help="target weights: none (dtype) or int4 (default: %(default)s)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one decode step per mode at the largest concurrency")
     parser.add_argument("--json", action="store_true", help="print JSON records instead")
@@ -227,7 +230,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"# {args.max_tokens} tokens/request, greedy, {torch.get_num_threads()} torch threads, "
-          f"dtype {args.dtype}, load average {load}")
+          f"dtype {args.dtype}, quantization {args.quantization}, load average {load}")
     print(format_table(results))
     for mode, profile in profiles.items():
         print(f"\n[{mode}] {profile}")

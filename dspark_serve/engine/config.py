@@ -6,6 +6,7 @@ from dataclasses import dataclass
 SPECULATIVE_MODES = ("none", "dflash", "dspark")
 SCHEDULERS = ("algorithm1", "async", "static", "threshold")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int4")
 
 
 @dataclass
@@ -29,6 +30,16 @@ class EngineConfig:
         the shipped drafters were trained against, runs 2-6x faster on CPUs with AVX512-BF16 /
         AMX, and its logits are bit-identical however a step is composed (batch-invariant
         attention and matmuls); "float32" is the reference for comparisons with transformers.
+    quantization: "none" (default: weights in ``dtype``) or "int4": the target's decoder-layer
+        projections as 4-bit weights with a scale and zero per 32 (GGUF Q4_1's layout; the
+        default model's layers *are* Q4_1, so this serves their own 4-bit grid), bfloat16
+        activations, LM head in bfloat16. Faster
+        decoding at low concurrency on a CPU, slower prefill and large batches
+        (``engine.linear.Int4Linear``). Needs dtype "bfloat16".
+    always_draft: draft every step. By default the async scheduler skips drafting in steps
+        where the drafter's measured time costs more throughput than its expected accepted
+        tokens bring (then the step is a plain decode step); this turns that off, e.g. to
+        test or benchmark the speculative path itself.
     threshold: survival-probability cut-off of the "threshold" scheduler, in [0, 1].
     max_batch_tokens: most target tokens per step (prefill chunks + verify budget B);
         None = the cost table's ``max_batch_tokens``.
@@ -49,6 +60,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     seed: int = 0
     dtype: str = "bfloat16"
+    quantization: str = "none"
+    always_draft: bool = False
     threshold: float = 0.5
     max_batch_tokens: int | None = None
     prefill_chunk: int = 256
@@ -56,7 +69,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for name, value, allowed in (("speculative", self.speculative, SPECULATIVE_MODES),
                                      ("scheduler", self.scheduler, SCHEDULERS),
-                                     ("dtype", self.dtype, DTYPES)):
+                                     ("dtype", self.dtype, DTYPES),
+                                     ("quantization", self.quantization, QUANTIZATIONS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
         for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "gamma", "max_batch_tokens"):
@@ -64,5 +78,8 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 raise ValueError(f"{name} must be a positive integer; got {value!r}")
+        if self.quantization != "none" and self.dtype != "bfloat16":
+            raise ValueError(f"quantization {self.quantization!r} needs dtype bfloat16; got "
+                             f"{self.dtype!r}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1]; got {self.threshold!r}")

@@ -12,7 +12,9 @@ One ``step()`` = schedule, run, commit:
    commit token by token with stop strings, stop tokens, EOS and max_tokens checked after
    each token; the anchor and accepted drafts enter the drafter's context.
 
-Plain decoding (``speculative="none"``) is the same step with l_r = 0 and no drafter.
+Plain decoding (``speculative="none"``) is the same step with l_r = 0 and no drafter; so is
+a step whose scheduler finds drafting not worth its time (``Speculator.should_draft``), except
+that the committed token still enters the drafter's context.
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ class LLMEngine:
             draft_path, draft_config = drafter_source(hf_config, config.speculative,
                                                       self.model_name, mask_id, config.draft)
         taps = draft_config.target_layer_ids if draft_config else ()
-        self.target = TargetModel.from_pretrained(path, dtype=config.dtype, target_layer_ids=taps)
+        self.target = TargetModel.from_pretrained(path, dtype=config.dtype, target_layer_ids=taps,
+                                                  quantization=config.quantization)
         self.device = self.target.device
         self.vocab_size = int(hf_config.vocab_size)
         self.kv = self.target.new_kv_cache(config.max_num_seqs, self.max_model_len)
@@ -88,7 +91,8 @@ class LLMEngine:
                 drafter, gamma=self.gamma, scheduler=scheduler,
                 cost_table=self._cost_table(scheduler), temperatures=self._sts(draft_path),
                 threshold=config.threshold, max_batch_tokens=config.max_batch_tokens,
-                num_slots=config.max_num_seqs, max_len=self.max_model_len)
+                num_slots=config.max_num_seqs, max_len=self.max_model_len,
+                always_draft=config.always_draft)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._step_stats: list[StepStats] = []
@@ -147,7 +151,8 @@ class LLMEngine:
             return []
         plan = plan_step(self.running, self.config.prefill_chunk)
         stats = StepStats(num_running=len(self.running), num_waiting=len(self.waiting))
-        if plan.decode and self.speculator is not None:
+        if plan.decode and self.speculator is not None \
+                and self.speculator.should_draft(len(plan.decode)):
             self._propose(plan)
         d = self.device
         ids, slots, pos, starts = plan.flat_tokens()
@@ -169,7 +174,8 @@ class LLMEngine:
                 stats.generated_tokens += commit_tokens(req, tokens, rows, self.eos_ids,
                                                         self.max_model_len)
                 if i < len(plan.decode):
-                    self._record_round(stats, req, int(lengths[i]), n_acc)
+                    if plan.block is not None:  # a step that skipped drafting is no round
+                        self._record_round(stats, req, int(lengths[i]), n_acc)
                     if not req.finished:  # anchor + accepted drafts now have target K/V
                         context.add(starts[i], req.slot, req.num_tokens - n_acc - 2, n_acc + 1)
                         req.num_computed = req.num_tokens - 1

@@ -10,6 +10,8 @@ the request's state, never on its drafted tokens, so verification stays lossless
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from dspark_serve.calibration.sts import calibrated_confidence
@@ -31,13 +33,15 @@ class Speculator:
         threshold: cut-off of the threshold scheduler.
         max_batch_tokens: cap on the verify batch B (None = none).
         num_slots, max_len: size of the drafter's context cache.
+        always_draft: draft every step (``should_draft`` always True).
     Raises:
         ValueError: gamma out of range, temperatures of the wrong length, scheduler errors.
     """
 
     def __init__(self, drafter: DSparkDrafter, *, gamma: int, scheduler: str,
                  cost_table: CostTable | None, temperatures: torch.Tensor | None,
-                 threshold: float, max_batch_tokens: int | None, num_slots: int, max_len: int):
+                 threshold: float, max_batch_tokens: int | None, num_slots: int, max_len: int,
+                 always_draft: bool = False):
         if not 1 <= gamma <= drafter.gamma:
             raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block), got {gamma}")
         if temperatures is not None and temperatures.shape != (gamma,):
@@ -50,6 +54,15 @@ class Speculator:
         self.scheduler = make_scheduler(scheduler, gamma=gamma, cost_table=cost_table,
                                         threshold=threshold, max_batch_tokens=max_batch_tokens)
         self.cache = drafter.new_cache(num_slots, max_len)
+        self.always_draft = always_draft
+
+    def should_draft(self, num_requests: int) -> bool:
+        """Whether this step drafts for its R decoding requests: the scheduler's
+        ``worth_drafting`` where it has one (async: drafting must pay for its own time), else
+        always; always with ``always_draft``. False means a plain decode step (verify lengths
+        0)."""
+        decide = getattr(self.scheduler, "worth_drafting", None)
+        return self.always_draft or decide is None or bool(decide(num_requests))
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's context (a new request takes it)."""
@@ -73,7 +86,13 @@ class Speculator:
         Returns:
             (block truncated to gamma, lengths [R] int64 l_r in 0..caps[r]).
         """
+        start = time.perf_counter()
         block = self.drafter.draft(self.cache, slots, anchors, anchor_positions, sampling, uniforms)
+        observe = getattr(self.scheduler, "observe_draft", None)
+        if observe is not None:
+            if block.tokens.is_cuda:
+                torch.cuda.synchronize(block.tokens.device)
+            observe(int(slots.numel()), time.perf_counter() - start)
         g = self.gamma
         block = DraftBlock(block.tokens[:, :g], block.probs[:, :g], block.conf_logits[:, :g])
         if self.has_confidence:

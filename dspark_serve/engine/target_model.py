@@ -51,6 +51,7 @@ from torch import nn
 
 from dspark_serve.engine.attention import plan_varlen, varlen_attention
 from dspark_serve.engine.kv_cache import KVCache
+from dspark_serve.engine.linear import flat_call
 from dspark_serve.engine.target_weights import TargetWeights, load_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -96,12 +97,15 @@ class TargetModel:
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: str | torch.dtype = "float32",
                         device: str | torch.device = "cpu",
-                        target_layer_ids: Sequence[int] = ()) -> "TargetModel":
-        """Load an HF folder of the Llama / Qwen2 / Qwen3 family.
+                        target_layer_ids: Sequence[int] = (),
+                        quantization: str = "none") -> "TargetModel":
+        """Load an HF folder of the Llama / Qwen2 / Qwen3 family (``quantization``: see
+        ``target_weights.load_weights``).
 
         Raises:
             ValueError: unsupported architecture or features (sliding windows, a RoPE type
-                whose frequencies depend on the sequence length), unknown dtype.
+                whose frequencies depend on the sequence length), unknown dtype or
+                quantization.
         """
         from transformers import AutoModelForCausalLM
 
@@ -109,14 +113,17 @@ class TargetModel:
         if torch_dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
-        return cls.from_hf(hf, device=device, target_layer_ids=target_layer_ids)
+        return cls.from_hf(hf, device=device, target_layer_ids=target_layer_ids,
+                           quantization=quantization)
 
     @classmethod
     def from_hf(cls, hf_model, *, device: str | torch.device | None = None,
-                target_layer_ids: Sequence[int] = ()) -> "TargetModel":
+                target_layer_ids: Sequence[int] = (),
+                quantization: str = "none") -> "TargetModel":
         """Take the weights of a loaded transformers causal LM (in its dtype); the HF module
         itself is not kept."""
-        return cls(load_weights(hf_model, device), hf_model.config, target_layer_ids)
+        return cls(load_weights(hf_model, device, quantization), hf_model.config,
+                   target_layer_ids)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,6 +200,12 @@ class TargetModel:
         return TargetOutput(logits=w.head(h).float(), taps=taps)
 
     __call__ = forward
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on the serving path: hidden [..., H] in the model dtype -> logits
+        [..., V] in the model dtype, through the (packed) ``weights.head``. Inference only (no
+        gradient); ``lm_head`` is the autograd-friendly module training uses."""
+        return flat_call(self.weights.head, hidden)
 
     def _tap(self, taps: torch.Tensor, layer: int, h: torch.Tensor) -> None:
         hidden = self.weights.hidden_size

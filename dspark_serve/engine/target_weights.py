@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.engine.linear import Linear
+from dspark_serve.engine.linear import Int4Linear, Linear, make_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Their inverse frequencies are rescaled with the running sequence length, so one position
@@ -29,12 +29,12 @@ class LayerWeights:
     """
 
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: Linear | Int4Linear
     qk_norm: torch.Tensor | None
-    o_proj: Linear
+    o_proj: Linear | Int4Linear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | Int4Linear
+    down: Linear | Int4Linear
 
 
 @dataclass
@@ -105,12 +105,18 @@ def _cat(*tensors: torch.Tensor | None) -> torch.Tensor | None:
     return torch.cat(tensors, dim=0).contiguous()
 
 
-def load_weights(hf_model, device: torch.device | str | None = None) -> TargetWeights:
+def load_weights(hf_model, device: torch.device | str | None = None,
+                 quantization: str = "none") -> TargetWeights:
     """Copy the weights of a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
-    ``Qwen3ForCausalLM`` (in its dtype) onto ``device`` (None = where they are).
+    ``Qwen3ForCausalLM`` (in its dtype) onto ``device`` (None = where they are); with
+    ``quantization="int4"`` the decoder layers' projections become ``Int4Linear``. The
+    embedding, norms and LM head stay in the model dtype: GGUF files keep those at higher
+    precision too (the default model's embedding, tied to its head, is not 4-bit), and 4-bit
+    logits would move every token's distribution.
 
     Raises:
-        ValueError: unsupported architecture or features (see module docstring).
+        ValueError: unsupported architecture or features (see module docstring), or weights
+            the quantization cannot take.
     """
     config = hf_model.config
     _check_supported(config)
@@ -118,6 +124,9 @@ def load_weights(hf_model, device: torch.device | str | None = None) -> TargetWe
 
     def take(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.detach().to(dev).contiguous()
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None):
+        return make_linear(take(weight), take(bias), quantization)
 
     layers = []
     for layer in hf_model.model.layers:
@@ -128,14 +137,14 @@ def load_weights(hf_model, device: torch.device | str | None = None) -> TargetWe
                                  attn.k_norm.weight.expand(config.num_key_value_heads, -1)))
         layers.append(LayerWeights(
             input_norm=take(layer.input_layernorm.weight),
-            qkv=Linear(take(_cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)),
-                       take(_cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias))),
+            qkv=linear(_cat(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
+                       _cat(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)),
             qk_norm=take(qk_norm),
-            o_proj=Linear(take(attn.o_proj.weight), take(attn.o_proj.bias)),
+            o_proj=linear(attn.o_proj.weight, attn.o_proj.bias),
             post_norm=take(layer.post_attention_layernorm.weight),
-            gate_up=Linear(take(_cat(mlp.gate_proj.weight, mlp.up_proj.weight)),
-                           take(_cat(mlp.gate_proj.bias, mlp.up_proj.bias))),
-            down=Linear(take(mlp.down_proj.weight), take(mlp.down_proj.bias))))
+            gate_up=linear(_cat(mlp.gate_proj.weight, mlp.up_proj.weight),
+                           _cat(mlp.gate_proj.bias, mlp.up_proj.bias)),
+            down=linear(mlp.down_proj.weight, mlp.down_proj.bias)))
     embed = take(hf_model.model.embed_tokens.weight)
     head = hf_model.lm_head.weight
     lm_head = embed if head is hf_model.model.embed_tokens.weight else take(head)

@@ -16,6 +16,7 @@ import torch
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
 from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.model import DSparkDrafter
+from dspark_serve.engine.linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -90,20 +91,23 @@ def drafter_source(target_config, kind: str, model_name: str, mask_token_id: int
 
 def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int = 0) -> DSparkDrafter:
     """Load the drafter at ``path`` onto the target's embedding and LM head, or build an
-    untrained one of ``config`` (seeded, with a warning) when ``path`` is None. Weights take the
-    target's dtype and device.
+    untrained one of ``config`` (seeded, with a warning) when ``path`` is None, for inference:
+    weights take the target's dtype and device, the LM head is the target's serving head and
+    the linears are packed where that is faster (``pack_linears``); no gradients.
 
     Args:
         target: ``dspark_serve.engine.target_model.TargetModel``.
     """
     if path is not None:
-        drafter = load_drafter(path, target.embed_tokens, target.lm_head, dtype=target.dtype,
+        drafter = load_drafter(path, target.embed_tokens, target.head_logits, dtype=target.dtype,
                                device=target.device)
     else:
         logger.warning("no trained drafter for this target: using an untrained one (outputs "
                        "stay exact, acceptance will be near zero)")
         with torch.random.fork_rng():  # seeded init without touching the caller's RNG
             torch.manual_seed(seed)
-            drafter = DSparkDrafter(config, target.embed_tokens, target.lm_head)
+            drafter = DSparkDrafter(config, target.embed_tokens, target.head_logits)
         drafter = drafter.to(device=target.device, dtype=target.dtype)
-    return drafter.eval()
+    drafter.eval().requires_grad_(False)
+    pack_linears(drafter)
+    return drafter

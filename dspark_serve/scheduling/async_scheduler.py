@@ -24,6 +24,17 @@ Choices the paper leaves open:
   convention for requests without history, so K maximises raw token throughput
   (R + k) * SPS(R + k) under the cost table.
 - A step with R = 0 returns no lengths and records no history.
+
+Beyond the paper: the drafter's own time. SPS(B) prices the target forward only, but a step
+that drafts also pays the drafter (measured: ~30 ms next to a ~50 ms one-token target forward
+for SmolLM2-135M on a 2-core CPU). The engine reports each draft's wall time
+(``observe_draft``); K then maximises (R + S_K) / (1 / SPS(R + K) + d_R), d_R the drafting
+seconds for R requests, and ``worth_drafting`` skips drafting step t altogether (a plain
+decode step, Theta_0 = R * SPS(R)) when no K beats it. Both read the same survival history as
+K, so they stay lossless; while drafting is off no new survival arrives, so every
+``PROBE_INTERVAL``-th skipped step drafts anyway to refresh it. Where the drafter pays, this
+changes nothing; where it cannot (a weak drafter, a CPU), serving falls back to plain
+decoding instead of running slower than it.
 """
 from __future__ import annotations
 
@@ -36,6 +47,10 @@ from dspark_serve.scheduling.cost_table import CostTable
 
 # Steps between the survival used for K and the step it schedules (zero-overhead scheduling).
 LAG_STEPS = 2
+# A step drafts after this many consecutive steps without drafting (refreshes the survival).
+PROBE_INTERVAL = 16
+# Weight of the newest measurement in the drafting-time average.
+DRAFT_TIME_EMA = 0.25
 
 
 class AsyncScheduler:
@@ -57,12 +72,48 @@ class AsyncScheduler:
         self.gamma = gamma
         self.cost_table = cost_table
         self.max_batch_tokens = max_batch_tokens
-        # Per past step: (R', cumulative ranked survival [R'*gamma + 1] f64, #slots with a > 0).
+        # Per past drafted step: (R', cumulative ranked survival [R'*gamma + 1] f64,
+        # #slots with a > 0).
         self._history: deque[tuple[int, torch.Tensor, int]] = deque(maxlen=LAG_STEPS)
+        self._draft_seconds: dict[int, float] = {}   # R -> moving average of drafting time
+        self._skipped = 0
 
     def reset(self) -> None:
-        """Forget the history (a new, unrelated run starts)."""
+        """Forget the history and the drafting times (a new, unrelated run starts)."""
         self._history.clear()
+        self._draft_seconds.clear()
+        self._skipped = 0
+
+    def observe_draft(self, num_requests: int, seconds: float) -> None:
+        """Record the wall time (seconds) of drafting one block for ``num_requests`` requests."""
+        old = self._draft_seconds.get(num_requests)
+        self._draft_seconds[num_requests] = (seconds if old is None else
+                                             old + DRAFT_TIME_EMA * (seconds - old))
+
+    def draft_seconds(self, num_requests: int) -> float:
+        """Estimated drafting seconds for R requests: the average measured at the nearest R
+        (0 before any measurement, so the first steps draft and measure)."""
+        if not self._draft_seconds:
+            return 0.0
+        nearest = min(self._draft_seconds, key=lambda r: (abs(r - num_requests), r))
+        return self._draft_seconds[nearest]
+
+    def worth_drafting(self, num_requests: int) -> bool:
+        """Whether step t should draft at all (module docstring): some K >= 1 beats a plain
+        decode step under the drafting time, or a probe is due. Counts skipped steps."""
+        if num_requests <= 0 or len(self._history) < LAG_STEPS:
+            return True
+        theta = self._theta(num_requests, self.draft_seconds(num_requests))
+        plain = num_requests * float(self.cost_table.sps(
+            torch.tensor([num_requests], dtype=torch.int64))[0])
+        if theta.numel() > 1 and float(theta[1:].max()) > plain:
+            self._skipped = 0
+            return True
+        self._skipped += 1
+        if self._skipped >= PROBE_INTERVAL:
+            self._skipped = 0
+            return True
+        return False
 
     def capacity(self, num_requests: int) -> int:
         """K, the draft tokens step t may verify, from the survival of step t-2 (see module
@@ -95,6 +146,11 @@ class AsyncScheduler:
         return lengths
 
     def _capacity(self, num_req: int) -> int:
+        theta = self._theta(num_req, self.draft_seconds(num_req))
+        return int(theta.argmax())      # first maximum: the smallest K among equal throughputs
+
+    def _theta(self, num_req: int, overhead_s: float) -> torch.Tensor:
+        """Theta_K for K = 0..max_K from the lagged survival (see module docstring)."""
         limit = admission.batch_limit(num_req, self.max_batch_tokens, self.cost_table)
         num_slots = num_req * self.gamma
         if len(self._history) < LAG_STEPS:
@@ -102,8 +158,7 @@ class AsyncScheduler:
         else:
             cum, admissible = _stretch(*self._history[0], num_req, num_slots)
         max_k = admission.max_admissions(num_req, admissible, limit)
-        theta = admission.throughput_curve(cum, num_req, max_k, self.cost_table)
-        return int(theta.argmax())      # first maximum: the smallest K among equal throughputs
+        return admission.throughput_curve(cum, num_req, max_k, self.cost_table, overhead_s)
 
 
 def _stretch(old_req: int, old_cum: torch.Tensor, old_admissible: int, num_req: int,

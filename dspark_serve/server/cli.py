@@ -5,7 +5,8 @@ import argparse
 import dataclasses
 import logging
 
-from dspark_serve.engine.config import DTYPES, SCHEDULERS, SPECULATIVE_MODES, EngineConfig
+from dspark_serve.engine.config import (DTYPES, QUANTIZATIONS, SCHEDULERS, SPECULATIVE_MODES,
+                                         EngineConfig)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BACKENDS = ("embedded", "sglang")
@@ -38,6 +39,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="most requests per step (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
                    help="weight dtype (default: %(default)s)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS["quantization"],
+                   help="int4: 4-bit target weights (GGUF Q4_1 layout), faster decoding at "
+                        "low concurrency on a CPU (default: %(default)s)")
+    p.add_argument("--always-draft", action="store_true",
+                   help="draft every step, even where the async scheduler measures drafting "
+                        "to cost more than it brings (default: skip those drafts)")
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
                    help="engine RNG seed (default: %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
@@ -62,6 +69,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=args.scheduler, gamma=args.gamma, cost_table=args.cost_table,
         calibration=args.calibration, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
+        quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold)
 
 

@@ -192,9 +192,14 @@ def distribution_oracle_fixture():
 
 @pytest.fixture
 def use_oracle(monkeypatch) -> Callable[[LLMEngine, Callable], None]:
-    """``use_oracle(engine, oracle)``: the engine drafts with ``oracle`` for this test."""
+    """``use_oracle(engine, oracle)``: the engine drafts with ``oracle`` for this test, its
+    scheduler starting afresh (the survival and drafting times of the real drafter, measured
+    by earlier tests on the shared engine, say nothing about the oracle)."""
 
     def install(engine: LLMEngine, oracle: Callable) -> None:
         monkeypatch.setattr(engine.speculator.drafter, "draft", oracle)
+        reset = getattr(engine.speculator.scheduler, "reset", None)
+        if reset is not None:
+            reset()
 
     return install

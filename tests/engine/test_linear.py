@@ -2,7 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.engine.linear import Linear, _can_pack
+from dspark_serve.engine.linear import (INT4_GROUP, Int4Linear, Linear, _can_pack, make_linear,
+                                       pack_linears)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -46,3 +47,94 @@ def test_packed_bfloat16_rows_do_not_depend_on_row_count(shape):
     alone = torch.cat([layer(x[i:i + 1]) for i in range(300)])
     for rows in (2, 17, 100, 300):
         assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
+def test_pack_linears_keeps_parameters_and_matches_f_linear():
+    gen = torch.Generator().manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.Linear(96, 8, bias=False))
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(2, 5, 40, generator=gen).bfloat16()   # leading dims kept
+    expected = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
+    packed = pack_linears(model)
+    assert packed == (2 if _can_pack(model[0].weight) else 0)
+    out = model(x)
+    assert out.shape == (2, 5, 8) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.15, rtol=2e-2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_pack_linears_leaves_float32_alone():
+    layer = torch.nn.Linear(4, 3)
+    assert pack_linears(layer) == 0 and "forward" not in vars(layer)
+
+
+def _int4_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+needs_int4 = pytest.mark.skipif(not _int4_available(), reason="no int4 CPU kernel in this torch")
+
+
+def _group_step(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] quantization step (max - min) / 15 of each weight's group."""
+    groups = weight.view(weight.shape[0], -1, INT4_GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    return step.repeat_interleave(INT4_GROUP, dim=1)
+
+
+@needs_int4
+def test_int4_keeps_q4_1_weights_on_their_grid():
+    """Weights that are GGUF Q4_1 blocks (w = d * q + m, q in 0..15 with 0 and 15 present)
+    come back within bfloat16 rounding (the scale and zero are stored in bfloat16), far inside
+    the half step a weight off the grid can be moved by."""
+    gen = torch.Generator().manual_seed(3)
+    out_f, in_f = 48, 96
+    q = torch.randint(0, 16, (out_f, in_f // INT4_GROUP, INT4_GROUP), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (0.002 + torch.rand(out_f, in_f // INT4_GROUP, 1, generator=gen) * 0.008).bfloat16().float()
+    m = (-8 * d - torch.rand(d.shape, generator=gen) * 0.01).bfloat16().float()
+    weight = (d * q + m).view(out_f, in_f)
+    error = (Int4Linear(weight).dequantized() - weight).abs()
+    assert (error <= 2 ** -7 * (weight.abs() + (m + 8 * d).abs().max())).all()
+    assert (error < 0.05 * _group_step(weight)).all()
+
+
+@needs_int4
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_int4_matches_its_dequantized_weights(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(64, 128, generator=gen) * 0.05
+    bias = torch.randn(64, generator=gen).bfloat16()
+    layer = make_linear(weight, bias, "int4")
+    assert isinstance(layer, Int4Linear) and layer.weight is None
+    # at most half a step off (plus the bfloat16 rounding of scale, zero and output)
+    error = (layer.dequantized() - weight).abs()
+    assert (error <= 0.5 * _group_step(weight) + 2 ** -7 * (weight.abs() + 0.3)).all()
+    assert error.mean() < 0.3 * _group_step(weight).mean()
+    x = torch.randn(rows, 128, generator=gen).bfloat16()
+    expected = x.float() @ layer.dequantized().T + bias.float()
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.05, rtol=1e-2)
+
+
+@needs_int4
+@pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536), (49152, 576)])
+def test_int4_rows_do_not_depend_on_row_count(shape):
+    """As for bfloat16 (above): a row's bits are the same in calls of any row count."""
+    gen = torch.Generator().manual_seed(0)
+    layer = Int4Linear(torch.randn(shape, generator=gen) * 0.05)
+    x = torch.randn(300, shape[1], generator=gen).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(300)])
+    for rows in (2, 17, 100, 300):
+        assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
+@pytest.mark.parametrize("shape", [(64, 100), (60, 64)])
+def test_int4_rejects_shapes_the_kernel_cannot_take(shape):
+    with pytest.raises(ValueError, match="divisible"):
+        Int4Linear(torch.randn(shape))
+
+
+def test_make_linear_rejects_unknown_quantization():
+    with pytest.raises(ValueError, match="quantization"):
+        make_linear(torch.randn(8, 32), None, "int3")

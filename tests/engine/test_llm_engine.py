@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from dspark_serve.engine.params import SamplingParams
+from dspark_serve.scheduling.async_scheduler import PROBE_INTERVAL
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,46 @@ def test_greedy_oracle_drafter_equals_plain(mode, engine_for, generate, mtbench_
     tau = statistics.mean(c.accepted_length for c in out.values())
     assert tau > 2.0, f"mean accepted length {tau:.2f}: blocks are not being accepted"
     assert any(max(c.deltas) > 2 for c in out.values())
+
+
+def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
+                                        greedy_reference, monkeypatch):
+    """Drafting that costs more than it can gain (10 s per draft against COST_TABLE's
+    ~0.1 s steps): the async scheduler runs plain decode steps, drafting only while it has no
+    survival history yet and then once every PROBE_INTERVAL steps; output unchanged."""
+    engine = engine_for("dspark", "async")
+    sched = engine.speculator.scheduler
+    sched.reset()
+    monkeypatch.setattr(sched, "draft_seconds", lambda num_requests: 10.0)
+    steps = []
+    out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
+                                                           max_tokens=REF_TOKENS), steps)
+    for rid, ref in greedy_reference.items():
+        assert out[rid].token_ids == ref.token_ids, rid
+    drafted = sum(s.rounds > 0 for s in steps)
+    assert 2 <= drafted <= 2 + len(steps) // PROBE_INTERVAL, (drafted, len(steps))
+    assert all(s.verify_tokens == 0 and s.drafted_tokens == 0 for s in steps if not s.rounds)
+
+
+def test_int4_target_speculative_equals_plain(make_engine, generate, mtbench_prompts,
+                                             greedy_reference, reference_oracle, use_oracle):
+    """``quantization="int4"``: speculative greedy output equals plain greedy output of the
+    same int4 target (oracle blocks, 15% corrupted), and stays close to the bfloat16
+    target's, whose layers hold the same Q4_1 weights."""
+    prompts = dict(list(mtbench_prompts.items())[:MAX_NUM_SEQS])
+    params = SamplingParams(temperature=0.0, max_tokens=REF_TOKENS)
+    config = dict(quantization="int4", max_num_seqs=MAX_NUM_SEQS, max_model_len=512)
+    plain = generate(make_engine(speculative="none", **config), prompts, params)
+    engine = make_engine(speculative="dspark", **config)
+    refs = {rid: c.token_ids for rid, c in plain.items()}
+    use_oracle(engine, reference_oracle(engine, refs, corrupt=0.15, seed=3))
+    out = generate(engine, prompts, params)
+    for rid in prompts:
+        assert out[rid].token_ids == plain[rid].token_ids, rid
+    assert statistics.mean(c.accepted_length for c in out.values()) > 2.0
+    same_start = sum(plain[rid].token_ids[:8] == greedy_reference[rid].token_ids[:8]
+                     for rid in prompts)
+    assert same_start >= MAX_NUM_SEQS - 2, same_start
 
 
 def test_seeded_sampling_equals_plain_across_batches(engine_for, generate, mtbench_prompts,

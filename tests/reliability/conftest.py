@@ -122,7 +122,10 @@ def _engine(speculative: str, tmp_path_factory):
     if speculative != "none":
         cost_table = tmp_path_factory.mktemp("cost") / "cost_table.json"
         cost_table.write_text(json.dumps(COST_TABLE))
+    # always_draft: these tests need accepted blocks; the real drafter's CPU time would often
+    # make the async scheduler skip drafting against this cost table.
     return LLMEngine(EngineConfig(speculative=speculative, scheduler="async",
+                                  always_draft=speculative != "none",
                                   cost_table=str(cost_table) if cost_table else None,
                                   max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, seed=0))
 

@@ -5,6 +5,7 @@ import torch
 
 from dspark_serve.scheduling import AsyncScheduler, CostTable, make_scheduler
 from dspark_serve.scheduling.admission import survival
+from dspark_serve.scheduling.async_scheduler import PROBE_INTERVAL
 
 FLAT = CostTable((1, 4096), (1.0, 1.0), 4096)
 
@@ -119,3 +120,44 @@ def test_budget_and_errors():
         sched.capacity(-1)
     assert sched.capacity(0) == 0
     assert sched(torch.zeros(0, 4)).tolist() == []
+
+
+def test_drafting_time_enters_the_throughput():
+    # one request, survival a = 0.5, 0.25 (S = 0, 0.5, 0.75); SPS = 1.0, 0.9, 0.6
+    table = CostTable((1, 2, 3), (1.0, 0.9, 0.6), 3)
+    sched = make_scheduler("async", gamma=2, cost_table=table)
+    conf = torch.tensor([[0.5, 0.5]])
+    sched(conf)
+    sched(conf)
+    # no drafting time: Theta = (1 + S_K) SPS(1 + K) = 1.0, 1.35, 1.05
+    assert sched.capacity(1) == 1 and sched.worth_drafting(1)
+    # d = 5 s: Theta = (1 + S_K) / (1 / SPS + 5) = 0.167, 0.2455, 0.2625, so K = 2; but a
+    # plain step gives 1 * SPS(1) = 1.0 tokens/s: drafting does not pay
+    sched.observe_draft(1, 5.0)
+    assert sched.capacity(1) == 2
+    assert [sched.worth_drafting(1) for _ in range(2 * PROBE_INTERVAL)] == (
+        [False] * (PROBE_INTERVAL - 1) + [True]) * 2     # a probe every PROBE_INTERVAL steps
+    # d = 0.5 s: Theta_1 = 1.5 / (1 / 0.9 + 0.5) = 0.931 < 1.0 but the survival of a better
+    # drafter (a = 0.9, 0.81) gives Theta_1 = 1.9 / 1.611 = 1.18 > 1.0
+    sched.reset()
+    sched.observe_draft(1, 0.5)
+    sched(conf)
+    sched(conf)
+    assert not sched.worth_drafting(1)
+    good = torch.tensor([[0.9, 0.9]])
+    sched(good)
+    sched(good)
+    assert sched.worth_drafting(1)
+
+
+def test_drafting_time_moving_average_and_nearest_r():
+    sched = make_scheduler("async", gamma=2, cost_table=FLAT)
+    sched.observe_draft(4, 0.1)
+    sched.observe_draft(4, 0.2)              # 0.1 + 0.25 * (0.2 - 0.1)
+    sched.observe_draft(16, 0.4)
+    assert sched.draft_seconds(4) == pytest.approx(0.125)
+    assert sched.draft_seconds(1) == pytest.approx(0.125)   # nearest measured R is 4
+    assert sched.draft_seconds(12) == pytest.approx(0.4)    # 16 is nearer than 4
+    assert sched.draft_seconds(10) == pytest.approx(0.125)  # a tie goes to the smaller R
+    sched.reset()
+    assert sched.draft_seconds(4) == 0.0
