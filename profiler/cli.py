@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from dspark_serve.engine.config import DTYPES, EngineConfig
+from dspark_serve.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
 from profiler.sps import batch_grid, profile_sps
 
 _DEFAULT_REQUESTS = EngineConfig.__dataclass_fields__["max_num_seqs"].default
@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                    "SmolLM2-135M-Instruct, converted once and cached)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                    help="weight dtype (default: %(default)s)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default="none",
+                   help="target weights as served with this flag (default: %(default)s)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device (default: %(default)s)")
     p.add_argument("--max-batch-tokens", type=int, default=256,
@@ -101,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
         from dspark_serve.models.default_model import default_model_path
         path = default_model_path()
     torch.manual_seed(args.seed)
-    model = TargetModel.from_pretrained(path, dtype=args.dtype, device=args.device)
+    model = TargetModel.from_pretrained(path, dtype=args.dtype, device=args.device,
+                                        quantization=args.quantization)
     max_len = max(args.context_lens) + math.ceil(args.max_batch_tokens / args.requests)
     cache = model.new_kv_cache(num_slots=args.requests, max_len=max_len)
     grid = batch_grid(args.max_batch_tokens, args.per_octave)
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                               repeats=args.repeats, sync=device_sync(args.device),
                               time_budget_s=args.time_budget)
     meta = device_metadata(args.device, model=os.path.basename(os.path.normpath(path)),
-                           dtype=args.dtype,
+                           dtype=args.dtype, quantization=args.quantization,
                            requests=args.requests)
     json_path, png_path = write_profile(profile, args.out_dir, meta=meta, context_len=table_ctx,
                                         max_batch_tokens=args.max_batch_tokens,

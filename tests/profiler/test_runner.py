@@ -108,7 +108,8 @@ def test_cli_end_to_end(tiny_llama, tmp_path, capsys, keep_threads):
     assert table.max_batch_tokens == 8
     meta = table.meta
     assert json_path.endswith(f"{meta['sku']}.json") and png_path.endswith(f"{meta['sku']}.png")
-    assert (meta["model"], meta["dtype"], meta["context_len"]) == ("tiny-llama", "bfloat16", 16)
+    assert (meta["model"], meta["dtype"], meta["quantization"], meta["context_len"]) == (
+        "tiny-llama", "bfloat16", "none", 16)
     assert meta["profile"]["context_lens"] == [4, 16]
     assert {"device", "torch", "cuda", "date"} <= set(meta)
     assert meta["cpu_threads"] == 1 and meta["sku"].endswith("_1c")

@@ -54,3 +54,15 @@ def test_invalid_values(launched, capsys):
     assert "invalid choice: 'eagle'" in capsys.readouterr().err
     assert cli.main(["serve", "--gamma", "0"]) == 2
     assert "config" not in launched
+
+
+def test_threads_flag(launched, monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    assert cli.main(["serve", "--threads", "1"]) == 0
+    assert calls == [1]
+    assert cli.main(["serve", "--threads", "0"]) == 2
+    assert calls == [1]
+    assert cli.main(["serve"]) == 0 and calls == [1]   # no flag: torch's default stays
