@@ -2,7 +2,9 @@
 (paper Eq 2-7, STS, Algorithm 1 / Section 5.2).
 
 The speculator owns the drafter's context cache (one slot per target KV slot) and the
-scheduler. Each step: draft a block per decoding request, turn confidence logits into
+scheduler. Committed tokens' target taps are projected into that cache lazily, in one batch
+right before the next draft: steps that do not draft (the async scheduler found drafting not
+worth it) then cost no drafter work at all. Each step: draft a block per decoding request, turn confidence logits into
 calibrated conditional survival c_{r,k} = sigmoid(z_{r,k} / T_k), and let the scheduler pick
 l_r. Per-request caps (remaining max_tokens, the context limit) are applied by zeroing the
 survival of slots past the cap before scheduling and clamping after it; both depend only on
@@ -55,6 +57,8 @@ class Speculator:
                                         threshold=threshold, max_batch_tokens=max_batch_tokens)
         self.cache = drafter.new_cache(num_slots, max_len)
         self.always_draft = always_draft
+        # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
+        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def should_draft(self, num_requests: int) -> bool:
         """Whether this step drafts for its R decoding requests: the scheduler's
@@ -65,12 +69,22 @@ class Speculator:
         return self.always_draft or decide is None or bool(decide(num_requests))
 
     def reset_slot(self, slot: int) -> None:
-        """Forget a slot's context (a new request takes it)."""
+        """Forget a slot's context, pending taps included (a new request takes it)."""
+        self._pending = [(s[keep], p[keep], t[keep]) for s, p, t in self._pending
+                         for keep in [s != slot] if bool(keep.any())]
         self.cache.reset(torch.tensor([slot], device=self.cache.lengths.device))
 
     def extend(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
-        """Add committed tokens' target taps ([N] slots, [N] positions, [N, C]) to the context."""
+        """Add committed tokens' target taps ([N] slots, [N] positions, [N, C]) to the
+        context (projected at the next ``propose``, or ``flush``)."""
         if slots.numel():
+            self._pending.append((slots, positions, taps))
+
+    def flush(self) -> None:
+        """Project every pending committed token into the drafter's context now."""
+        if self._pending:
+            slots, positions, taps = (torch.cat(parts) for parts in zip(*self._pending))
+            self._pending = []
             self.drafter.extend_context(self.cache, slots, positions, taps)
 
     def propose(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
@@ -86,6 +100,7 @@ class Speculator:
         Returns:
             (block truncated to gamma, lengths [R] int64 l_r in 0..caps[r]).
         """
+        self.flush()   # catching up on skipped steps is not this draft's cost
         start = time.perf_counter()
         block = self.drafter.draft(self.cache, slots, anchors, anchor_positions, sampling, uniforms)
         observe = getattr(self.scheduler, "observe_draft", None)

@@ -72,11 +72,17 @@ def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
                                         greedy_reference, monkeypatch):
     """Drafting that costs more than it can gain (10 s per draft against COST_TABLE's
     ~0.1 s steps): the async scheduler runs plain decode steps, drafting only while it has no
-    survival history yet and then once every PROBE_INTERVAL steps; output unchanged."""
+    survival history yet and then once every PROBE_INTERVAL steps; output unchanged. The
+    drafter's context catches up in one batch per drafted step, none in the others."""
     engine = engine_for("dspark", "async")
     sched = engine.speculator.scheduler
     sched.reset()
     monkeypatch.setattr(sched, "draft_seconds", lambda num_requests: 10.0)
+    drafter = engine.speculator.drafter
+    context_calls = []
+    extend_context = drafter.extend_context
+    monkeypatch.setattr(drafter, "extend_context",
+                        lambda *args: context_calls.append(1) or extend_context(*args))
     steps = []
     out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
                                                            max_tokens=REF_TOKENS), steps)
@@ -84,6 +90,7 @@ def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
         assert out[rid].token_ids == ref.token_ids, rid
     drafted = sum(s.rounds > 0 for s in steps)
     assert 2 <= drafted <= 2 + len(steps) // PROBE_INTERVAL, (drafted, len(steps))
+    assert len(context_calls) == drafted
     assert all(s.verify_tokens == 0 and s.drafted_tokens == 0 for s in steps if not s.rounds)
 
 
