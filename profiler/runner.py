@@ -80,13 +80,15 @@ def device_sync(device: torch.device):
 
 
 def profile_cost_table(model, cache, *, max_batch_tokens: int, context_len: int = 256,
-                       time_budget_s: float = 5.0, per_octave: int = 2, warmup: int = 1,
-                       repeats: int = 3, max_requests: int | None = None,
+                       time_budget_s: float = 6.0, per_octave: int = 2, warmup: int = 1,
+                       repeats: int = 5, max_requests: int | None = None,
                        meta: dict[str, Any] | None = None, progress: bool = False) -> CostTable:
     """The engine's startup profile (paper Section 3.2.2): SPS(B) at one context length on a
     coarse grid (``batch_grid(max_batch_tokens, per_octave)``), B ascending until
-    ``time_budget_s`` seconds are spent; the table keeps ``max_batch_tokens`` as its limit and
-    extrapolates conservatively past the last probe measured.
+    ``time_budget_s`` seconds are spent (``profile_sps``: interleaved rounds; five, so that up
+    to two rounds caught in a slow period of a shared host do not move a probe's median); the
+    table keeps ``max_batch_tokens`` as its limit and extrapolates conservatively past the last
+    probe measured.
 
     ``model`` / ``cache`` / ``max_requests`` as in ``target_step``; the cache must have
     room for ``context_len + ceil(max_batch_tokens / requests)`` positions per slot (the
