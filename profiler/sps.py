@@ -90,7 +90,8 @@ def profile_sps(step: StepFn, batch_tokens: list[int], context_lens: list[int], 
     period inflates whichever few B it overlaps and bends SPS(B), whose ratios between B's are
     what the scheduler uses; interleaved, it costs every B one round. The first round stops
     after the first B at which ``time_budget_s / repeats`` seconds are spent, counted from the
-    end of the very first warm-up (every context length measured up to that B); later rounds time only the probes of the first.
+    end of the very first warm-up (every context length measured up to that B); later rounds
+    time only the probes of the first.
     ``sync`` (e.g. ``torch.cuda.synchronize``) runs after each call so asynchronous devices are
     timed to completion.
 

@@ -69,12 +69,17 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
-        if x.shape[0] <= self._max_rows:
-            return self._call_packed(x)
-        return torch.cat([self._call_packed(part) for part in x.split(self._max_rows)])
+        return _by_row_chunks(self._call_packed, x, self._max_rows)
 
     def _call_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def _by_row_chunks(fn, x: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """``fn`` over x [T, in] in calls of at most ``max_rows`` rows (row invariance)."""
+    if x.shape[0] <= max_rows:
+        return fn(x)
+    return torch.cat([fn(part) for part in x.split(max_rows)])
 
 
 # Weights per int4 scale/zero pair: GGUF Q4_1's block, so a Q4_1 model keeps its own 4-bit grid
@@ -108,10 +113,9 @@ class Int4Linear:
         ValueError: a shape the kernel cannot take, or no int4 CPU kernel in this torch.
     """
 
-    __slots__ = ("bias", "_packed", "_scales_zeros", "_max_rows", "out_features")
+    __slots__ = ("bias", "_packed", "_scales_zeros", "_max_rows")
 
     weight = None   # no plain copy is kept
-    packed = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         out_f, in_f = weight.shape
@@ -130,7 +134,6 @@ class Int4Linear:
         self._scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1) \
             .contiguous().to(torch.bfloat16)
         self.bias = bias
-        self.out_features = out_f
         self._max_rows = max(1, ROW_BUDGET // in_f)
 
     def dequantized(self) -> torch.Tensor:
@@ -140,10 +143,7 @@ class Int4Linear:
         return self._mm(eye).float().T
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self._max_rows:
-            out = self._mm(x)
-        else:
-            out = torch.cat([self._mm(part) for part in x.split(self._max_rows)])
+        out = _by_row_chunks(self._mm, x, self._max_rows)
         return out if self.bias is None else out + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:

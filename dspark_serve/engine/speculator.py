@@ -4,9 +4,9 @@
 The speculator owns the drafter's context cache (one slot per target KV slot) and the
 scheduler. Committed tokens' target taps are projected into that cache lazily, in one batch
 right before the next draft: steps that do not draft (the async scheduler found drafting not
-worth it) then cost no drafter work at all. Each step: draft a block per decoding request, turn confidence logits into
-calibrated conditional survival c_{r,k} = sigmoid(z_{r,k} / T_k), and let the scheduler pick
-l_r. Per-request caps (remaining max_tokens, the context limit) are applied by zeroing the
+worth it) then cost no drafter work at all. Each step: draft a block per decoding request,
+turn confidence logits into calibrated conditional survival c_{r,k} = sigmoid(z_{r,k} / T_k),
+and let the scheduler pick l_r. Per-request caps (remaining max_tokens, the context limit) are applied by zeroing the
 survival of slots past the cap before scheduling and clamping after it; both depend only on
 the request's state, never on its drafted tokens, so verification stays lossless.
 """
@@ -70,8 +70,11 @@ class Speculator:
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's context, pending taps included (a new request takes it)."""
-        self._pending = [(s[keep], p[keep], t[keep]) for s, p, t in self._pending
-                         for keep in [s != slot] if bool(keep.any())]
+        pending, self._pending = self._pending, []
+        for slots, positions, taps in pending:
+            keep = slots != slot
+            if bool(keep.any()):
+                self._pending.append((slots[keep], positions[keep], taps[keep]))
         self.cache.reset(torch.tensor([slot], device=self.cache.lengths.device))
 
     def extend(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
