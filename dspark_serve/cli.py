@@ -12,9 +12,13 @@ import os
 import re
 import sys
 
-# Before torch is imported: spin-waiting OpenMP barriers make multi-threaded CPU steps 5-30x
-# slower whenever another process holds a core.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch is imported: how long idle OpenMP threads spin before sleeping. Sleeping at
+# once (OMP_WAIT_POLICY=PASSIVE) doubles a small step's time on an idle 2-core CPU (wake-ups at
+# each of the step's hundreds of parallel regions); spinning long makes steps 3x slower when
+# another process holds a core. A short spin (libgomp's count, ~tens of microseconds) keeps
+# the idle-machine speed. On a busy shared machine, ``--threads 1`` is fastest.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 # subcommand -> module providing add_parser()
 SUBCOMMANDS = {

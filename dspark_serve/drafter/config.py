@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
+# DeepSpec's released files say "qwen3" (the trunk is a Qwen3 stack); transformers' AutoConfig,
+# and so SGLang's draft loader, refuses a config.json without a model_type.
+DEEPSPEC_MODEL_TYPE = "qwen3"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 # DeepSpec's released configs (config/dspark/*.py) sample 512 anchors per training sequence;
@@ -119,6 +122,7 @@ class DSparkConfig:
         arch = cfg.pop("architectures", None)
         if arch != [DEEPSPEC_ARCHITECTURE]:
             raise ValueError(f"expected architectures [{DEEPSPEC_ARCHITECTURE!r}], got {arch!r}")
+        cfg.pop("model_type", None)  # written back as DEEPSPEC_MODEL_TYPE
         values = _pop_layer_hparams(cfg)
         rank = int(_pop_required(cfg, "markov_rank"))
         conf = bool(_pop_required(cfg, "enable_confidence_head"))
@@ -147,7 +151,7 @@ class DSparkConfig:
                              "anchor's output is the first draft logit")
         out = dict(self.extra)
         out.update(
-            architectures=[DEEPSPEC_ARCHITECTURE],
+            architectures=[DEEPSPEC_ARCHITECTURE], model_type=DEEPSPEC_MODEL_TYPE,
             hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,

@@ -8,17 +8,18 @@ TorchInductor's CPU freezing uses); at 64 tokens 204 ms / 65 ms / 32 ms. The pac
 rounds like ``F.linear`` in bfloat16. Float32 stays on ``F.linear``: it is the exactness
 reference, and packing does not help it at one token.
 
-Row invariance: oneDNN picks its K blocking from the whole problem size (its AMX heuristic
-sizes blocks against the L2 cache), and a split K reduction rounds differently. Measured on
-this CPU (one thread): the down projection of SmolLM2-135M (K = 1536) gives other bits for
-a row once a call has 130 rows or more, K = 3072 from 65 rows, K = 4864 from 33, K = 8960
-from 12; K <= 1280 never up to 600 rows. A token's logits then depended on how many tokens
-shared its step (a prefill chunk next to a verify block), and greedy speculative decoding
-parted from plain decoding at near-ties. So a packed layer takes at most
-``ROW_BUDGET // K`` rows per call (K = 576: 113, K = 1536: 42, K = 8960: 7), all of which
-were measured to give every row the bits of a one-row call (1 and 2 threads; at 2 threads
-one K = 8960 shape still breaks from 5 rows). Cost (SmolLM2-135M, one thread): none up to
-42 tokens, ~5 % of a 64-token step, ~20 % of a 256-token prefill step.
+Row invariance: oneDNN picks its kernel and K blocking from the whole problem shape, and a
+split K reduction rounds differently, so a row's bits can depend on how many rows share the
+call. A token's logits then depend on how many tokens share its step (a prefill chunk next to
+a verify block), and greedy speculative decoding parts from plain decoding at near-ties. Where
+that happens is a property of the CPU. On AVX512-BF16 + AMX, one-row calls match multi-row
+ones, and the down projection of SmolLM2-135M (K = 1536) changed rows from 130 rows per call,
+K = 8960 from 12. On AVX512-BF16 without AMX, one-row calls take a GEMV path that rounds
+differently for K >= 1536 (seen from 2 rows on), while 2..ROW_BUDGET // K rows all agree. So
+``row_limits`` probes each layer shape once per process and calls keep to the row counts that
+gave every row the same bits; a single row is then padded to two where needed. Cost: none at
+decode, ~5 % of a 64-token step and ~20 % of a 256-token prefill step where AMX allows 42
+rows (SmolLM2-135M, one thread); the probes add ~2-5 s to the engine start.
 """
 from __future__ import annotations
 
@@ -26,8 +27,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Most elements (rows * K) of the input of one packed call; see the module docstring.
+# Most elements (rows * K) of the input of one call; see the module docstring.
 ROW_BUDGET = 1 << 16
+# (layer kind, out, in, bias, threads) -> (min_rows, max_rows) per call (see row_limits)
+_ROW_LIMITS: dict[tuple, tuple[int, int]] = {}
+
+
+def row_limits(call, key: tuple, in_features: int) -> tuple[int, int]:
+    """(min_rows, max_rows) of calls that give every row the same bits on this CPU, measured
+    with two random bfloat16 inputs the first time a layer shape (``key``) meets the current
+    thread count.
+
+    The reference is each row computed in a two-row call. max_rows: the most rows m <=
+    max(2, ROW_BUDGET // in_features) such that calls of 2..m rows all match it. min_rows: 1
+    if one-row calls match it too, else 2 (oneDNN without AMX takes a GEMV path at one row that
+    rounds differently from its GEMM; such rows are then computed in a padded two-row call).
+    The kernel choice depends on the problem shape, not the values, and a changed reduction
+    order shows in some of the outputs. Takes ~0.1-3 s per shape (the LM head's is the largest).
+    """
+    key = (*key, torch.get_num_threads())
+    if key not in _ROW_LIMITS:
+        gen = torch.Generator().manual_seed(0)
+        min_rows, max_rows = 1, max(2, ROW_BUDGET // in_features)
+        for _ in range(2):
+            x = torch.randn(max_rows, in_features, generator=gen).to(torch.bfloat16)
+            paired = torch.cat([call(row.expand(2, -1))[:1] for row in x.split(1)])
+            if min_rows == 1 and not torch.equal(torch.cat([call(row) for row in x.split(1)]),
+                                                 paired):
+                min_rows = 2
+            m = 2
+            while m < max_rows and torch.equal(call(x[:m + 1]), paired[:m + 1]):
+                m += 1
+            max_rows = m
+        _ROW_LIMITS[key] = (min_rows, max_rows)
+    return _ROW_LIMITS[key]
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
@@ -48,19 +81,21 @@ class Linear:
             layer keeps no plain copy of its weight (``weight`` is then None).
     """
 
-    __slots__ = ("weight", "bias", "_packed", "_max_rows")
+    __slots__ = ("weight", "bias", "_packed", "_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.bias = bias
         self._packed = None
         self.weight = weight
-        self._max_rows = max(1, ROW_BUDGET // weight.shape[1])
+        self._rows = (1, max(1, ROW_BUDGET // weight.shape[1]))
         if pack and _can_pack(weight):
-            # The batch-size argument is a layout hint (any row count works). With hint 1 each
-            # row's result has the same bits for every row count up to ``_max_rows``; larger
-            # hints break that for LM-head shapes and do not speed up one token.
+            # The batch-size argument is a layout hint (any row count works). Hint 1 keeps rows
+            # invariant over the most row counts; larger hints break it for LM-head shapes
+            # and do not speed up one token.
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
             self.weight = None
+            self._rows = row_limits(self._call_packed,
+                                    ("packed", *weight.shape, bias is not None), weight.shape[1])
 
     @property
     def packed(self) -> bool:
@@ -69,17 +104,24 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
             return F.linear(x, self.weight, self.bias)
-        return _by_row_chunks(self._call_packed, x, self._max_rows)
+        return _by_row_chunks(self._call_packed, x, *self._rows)
 
     def _call_packed(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
 
-def _by_row_chunks(fn, x: torch.Tensor, max_rows: int) -> torch.Tensor:
-    """``fn`` over x [T, in] in calls of at most ``max_rows`` rows (row invariance)."""
-    if x.shape[0] <= max_rows:
+def _by_row_chunks(fn, x: torch.Tensor, min_rows: int, max_rows: int) -> torch.Tensor:
+    """``fn`` over x [T, in] in calls of min_rows..max_rows rows (row invariance; a shorter
+    piece is padded with copies of its first row)."""
+    if min_rows <= x.shape[0] <= max_rows:
         return fn(x)
-    return torch.cat([fn(part) for part in x.split(max_rows)])
+    parts = []
+    for part in x.split(max_rows):
+        n = part.shape[0]
+        if n < min_rows:
+            part = torch.cat([part, part[:1].expand(min_rows - n, -1)])
+        parts.append(fn(part)[:n])
+    return torch.cat(parts)
 
 
 # Weights per int4 scale/zero pair: GGUF Q4_1's block, so a Q4_1 model keeps its own 4-bit grid
@@ -104,8 +146,7 @@ class Int4Linear:
     thread, all SmolLM2-135M projections: 13.6 ms instead of 62 ms at one token, 44 ms instead of
     63 ms at 8 tokens). The kernel's time grows with the rows, so prefill and large verify
     batches are slower than bfloat16 on AMX: a choice for low concurrency.
-    Row invariance: like ``Linear``, calls take at most ``ROW_BUDGET // K`` rows (measured
-    bit-identical rows for 1..300-row calls of SmolLM2-135M's shapes).
+    Row invariance: like ``Linear``, calls take at most the rows ``row_limits`` measured.
 
     Args:
         weight: [out, in] float (in divisible by INT4_GROUP); bias: [out] or None.
@@ -113,7 +154,7 @@ class Int4Linear:
         ValueError: a shape the kernel cannot take, or no int4 CPU kernel in this torch.
     """
 
-    __slots__ = ("bias", "_packed", "_scales_zeros", "_max_rows")
+    __slots__ = ("bias", "_packed", "_scales_zeros", "_rows")
 
     weight = None   # no plain copy is kept
 
@@ -134,7 +175,7 @@ class Int4Linear:
         self._scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1) \
             .contiguous().to(torch.bfloat16)
         self.bias = bias
-        self._max_rows = max(1, ROW_BUDGET // in_f)
+        self._rows = row_limits(self._mm, ("int4", out_f, in_f), in_f)
 
     def dequantized(self) -> torch.Tensor:
         """[out, in] float32 weights this layer multiplies by, each rounded to bfloat16 (the
@@ -143,7 +184,7 @@ class Int4Linear:
         return self._mm(eye).float().T
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = _by_row_chunks(self._mm, x, self._max_rows)
+        out = _by_row_chunks(self._mm, x, *self._rows)
         return out if self.bias is None else out + self.bias
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="engine RNG seed (default: %(default)s)")
     p.add_argument("--threads", type=int,
                    help="CPU threads of the engine's tensor ops (default: torch's, one per "
-                        "core); on a small or shared CPU one thread often decodes faster")
+                        "core); on a CPU other busy processes share, one thread decodes faster")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",

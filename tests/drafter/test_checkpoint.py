@@ -71,7 +71,11 @@ def test_save_load_round_trip_is_bit_exact(tmp_path, tiny_config, tiny_drafter, 
     for model, cache in ((drafter, cache_a), (loaded, cache_b)):
         model.extend_context(cache, torch.zeros(4, dtype=torch.long), torch.arange(4), taps)
     a, b = drafter.draft(cache_a, *args), loaded.draft(cache_b, *args)
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.probs, b.probs)
+    assert torch.equal(a.tokens, b.tokens)
+    # float32 GEMMs (MKL) may change the last bits with the weights' memory alignment
+    # (measured: 2e-8 on an AMD EPYC host); bfloat16 (oneDNN) is bit-exact.
+    atol = 0.0 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(a.probs, b.probs, rtol=0.0, atol=atol)
 
 
 def test_loads_deepspec_folder_with_documented_names(tmp_path, deepspec_dict):

@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.engine.linear import (INT4_GROUP, Int4Linear, Linear, _can_pack, make_linear,
-                                       pack_linears)
+from dspark_serve.engine.linear import (INT4_GROUP, Int4Linear, Linear, _by_row_chunks,
+                                       _can_pack, make_linear, pack_linears, row_limits)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,6 +47,44 @@ def test_packed_bfloat16_rows_do_not_depend_on_row_count(shape):
     alone = torch.cat([layer(x[i:i + 1]) for i in range(300)])
     for rows in (2, 17, 100, 300):
         assert torch.equal(layer(x[:rows]), alone[:rows])
+
+
+def _kernel_like(single_row_differs: bool, same_up_to: int):
+    """A fake matmul whose rows round differently in one-row calls and above ``same_up_to``
+    rows, as oneDNN's GEMV path and K blockings do; records the row counts it was called with."""
+    calls = []
+
+    def call(x):
+        calls.append(x.shape[0])
+        y = x.float().sum(-1, keepdim=True)
+        if (x.shape[0] == 1 and single_row_differs) or x.shape[0] > same_up_to:
+            y = y + 1e-2
+        return y.to(torch.bfloat16)
+    return call, calls
+
+
+@pytest.mark.parametrize("single_row_differs, same_up_to, expected", [
+    (False, 10 ** 6, (1, 128)), (True, 10 ** 6, (2, 128)), (True, 5, (2, 5)),
+    (False, 2, (1, 2))])
+def test_row_limits_finds_the_invariant_row_counts(single_row_differs, same_up_to, expected):
+    call, _ = _kernel_like(single_row_differs, same_up_to)
+    key = ("fake", single_row_differs, same_up_to)
+    assert row_limits(call, key, 512) == expected
+    assert row_limits(lambda x: pytest.fail("probed twice"), key, 512) == expected
+
+
+def test_row_chunks_pad_single_rows_and_cut_long_inputs():
+    call, calls = _kernel_like(True, 5)
+    x = torch.randn(13, 8).bfloat16()
+    reference = torch.cat([call(torch.cat([row, row]))[:1] for row in x.split(1)])
+    calls.clear()
+    out = _by_row_chunks(call, x, 2, 5)          # 5 + 5 + 3
+    assert calls == [5, 5, 3] and torch.equal(out, reference)
+    calls.clear()
+    out = _by_row_chunks(call, x[:11], 2, 5)     # 5 + 5 + 1 padded to 2
+    assert calls == [5, 5, 2] and torch.equal(out, reference[:11])
+    calls.clear()
+    assert torch.equal(_by_row_chunks(call, x[:1], 2, 5), reference[:1]) and calls == [2]
 
 
 def test_pack_linears_keeps_parameters_and_matches_f_linear():

@@ -95,10 +95,10 @@ def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
 
 
 def test_int4_target_speculative_equals_plain(make_engine, generate, mtbench_prompts,
-                                             greedy_reference, reference_oracle, use_oracle):
+                                             reference_oracle, use_oracle):
     """``quantization="int4"``: speculative greedy output equals plain greedy output of the
-    same int4 target (oracle blocks, 15% corrupted), and stays close to the bfloat16
-    target's, whose layers hold the same Q4_1 weights."""
+    same int4 target (oracle blocks, 15% corrupted). (How close int4 is to the float32
+    model: ``test_target_model.test_default_model_int4_as_close_to_float32_as_bfloat16``.)"""
     prompts = dict(list(mtbench_prompts.items())[:MAX_NUM_SEQS])
     params = SamplingParams(temperature=0.0, max_tokens=REF_TOKENS)
     config = dict(quantization="int4", max_num_seqs=MAX_NUM_SEQS, max_model_len=512)
@@ -110,9 +110,6 @@ def test_int4_target_speculative_equals_plain(make_engine, generate, mtbench_pro
     for rid in prompts:
         assert out[rid].token_ids == plain[rid].token_ids, rid
     assert statistics.mean(c.accepted_length for c in out.values()) > 2.0
-    same_start = sum(plain[rid].token_ids[:8] == greedy_reference[rid].token_ids[:8]
-                     for rid in prompts)
-    assert same_start >= MAX_NUM_SEQS - 2, same_start
 
 
 def test_seeded_sampling_equals_plain_across_batches(engine_for, generate, mtbench_prompts,

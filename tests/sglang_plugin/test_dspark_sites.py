@@ -13,10 +13,11 @@ import pickle
 from pathlib import Path
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 
 sglang = pytest.importorskip("sglang", reason="sglang not installed (pip install 'dspark-serve[sglang]')")
+
+import msgspec  # noqa: E402  (an sglang dependency)
 
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo  # noqa: E402

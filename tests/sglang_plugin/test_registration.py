@@ -68,20 +68,65 @@ def test_drafter_in_model_registry(registered):
     assert ModelRegistry.models["Qwen3DSparkModel"] is Qwen3DSparkModel
 
 
-def _tiny_drafter(tmp_path):
+def _save_tiny_drafter(path):
+    """A random 1-layer DSpark drafter (Markov rank 4, confidence head on [h; W1 x]) saved in
+    the DeepSpec format."""
     cfg = DSparkConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=8, intermediate_size=32, vocab_size=64,
                        block_size=4, mask_token_id=63, target_layer_ids=[0, 2],
                        num_target_layers=4, markov_rank=4, markov_head_type="vanilla",
-                       enable_confidence_head=True)
+                       enable_confidence_head=True, confidence_head_with_markov=True)
     torch.manual_seed(0)
     embed, head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64, bias=False)
-    save_drafter(DSparkDrafter(cfg, embed, head), tmp_path / "draft")
+    save_drafter(DSparkDrafter(cfg, embed, head), path)
+
+
+def _tiny_drafter(tmp_path):
+    _save_tiny_drafter(tmp_path / "draft")
     CostTable((4, 8), (100.0, 40.0), 8).save(tmp_path / "sps.json")
     return SimpleNamespace(device="cuda", speculative_draft_model_path=str(tmp_path / "draft"),
                            speculative_num_draft_tokens=5,
                            speculative_dspark_sps_table_path=str(tmp_path / "sps.json"),
                            speculative_dspark_confidence_sts_path=None)
+
+
+def test_drafter_loads_through_sglang_registry_on_cpu(registered, tmp_path, monkeypatch):
+    """Our DeepSpec-format checkpoint -> SGLang's config loader -> the registry's class ->
+    SGLang's ``load_weights``: every saved tensor lands in the parameter SGLang's draft
+    forward reads (q/k/v and gate/up fused), nothing is left unloaded."""
+    from safetensors.torch import load_file
+    import sglang.srt.layers.rotary_embedding.base as rope_base
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    path = tmp_path / "draft"
+    _save_tiny_drafter(path)
+    # What `serve --backend sglang` sets; SGLang builds the confidence head only then.
+    monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
+    # SGLang's RoPE module picks a CUDA/vLLM kernel unless it runs its CPU engine.
+    monkeypatch.setattr(rope_base, "_is_cpu", True)
+    hf = get_config(str(path), trust_remote_code=False)
+    assert hf.model_type == "qwen3" and hf.architectures == ["Qwen3DSparkModel"]
+    hf.architectures = [DRAFTER_ARCHITECTURE]    # what DSparkServeDraftTpWorker does
+    cls, _ = ModelRegistry.resolve_model_cls(hf.architectures)
+    with get_parallel().override(tp_size=1, tp_rank=0):
+        model = cls(hf)
+    model.load_weights(safetensors_weights_iterator([str(path / "model.safetensors")]))
+
+    expected = load_file(str(path / "model.safetensors"))
+    for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                         ("gate_up_proj", ("gate_proj", "up_proj"))):
+        for name in [n for n in expected if n.endswith(f".{parts[0]}.weight")]:
+            stem = name[:-len(f"{parts[0]}.weight")]
+            expected[f"{stem}{fused}.weight"] = torch.cat(
+                [expected.pop(f"{stem}{p}.weight") for p in parts])
+    params = dict(model.named_parameters())
+    assert sorted(params) == sorted(expected)
+    for name, param in params.items():
+        assert torch.equal(param.detach(), expected[name].to(param.dtype)), name
+    assert model.confidence_head.proj.in_features == 16 + 4
 
 
 def test_server_args_validation(tmp_path):
