@@ -29,6 +29,8 @@ from torch import nn
 
 # Most elements (rows * K) of the input of one call; see the module docstring.
 ROW_BUDGET = 1 << 16
+# Most rows of one call (the probe's cost grows with its square: ~1 min for K = 64 at 1024).
+MAX_ROWS = 128
 # (layer kind, out, in, bias, threads) -> (min_rows, max_rows) per call (see row_limits)
 _ROW_LIMITS: dict[tuple, tuple[int, int]] = {}
 
@@ -39,16 +41,17 @@ def row_limits(call, key: tuple, in_features: int) -> tuple[int, int]:
     thread count.
 
     The reference is each row computed in a two-row call. max_rows: the most rows m <=
-    max(2, ROW_BUDGET // in_features) such that calls of 2..m rows all match it. min_rows: 1
-    if one-row calls match it too, else 2 (oneDNN without AMX takes a GEMV path at one row that
-    rounds differently from its GEMM; such rows are then computed in a padded two-row call).
-    The kernel choice depends on the problem shape, not the values, and a changed reduction
-    order shows in some of the outputs. Takes ~0.1-3 s per shape (the LM head's is the largest).
+    clamp(ROW_BUDGET // in_features, 2, MAX_ROWS) such that calls of 2..m rows all match it.
+    min_rows: 1 if one-row calls match it too, else 2 (oneDNN without AMX takes a GEMV path
+    at one row that rounds differently from its GEMM; such rows are then computed in a padded
+    two-row call). The kernel choice depends on the problem shape, not the values, and a
+    changed reduction order shows in some of the outputs. Takes ~0.1-2 s per shape (the LM
+    head's is the largest; ~3 s for SmolLM2-135M's target and drafter together).
     """
     key = (*key, torch.get_num_threads())
     if key not in _ROW_LIMITS:
         gen = torch.Generator().manual_seed(0)
-        min_rows, max_rows = 1, max(2, ROW_BUDGET // in_features)
+        min_rows, max_rows = 1, min(max(2, ROW_BUDGET // in_features), MAX_ROWS)
         for _ in range(2):
             x = torch.randn(max_rows, in_features, generator=gen).to(torch.bfloat16)
             paired = torch.cat([call(row.expand(2, -1))[:1] for row in x.split(1)])
@@ -87,7 +90,7 @@ class Linear:
         self.bias = bias
         self._packed = None
         self.weight = weight
-        self._rows = (1, max(1, ROW_BUDGET // weight.shape[1]))
+        self._rows = (1, min(max(1, ROW_BUDGET // weight.shape[1]), MAX_ROWS))
         if pack and _can_pack(weight):
             # The batch-size argument is a layout hint (any row count works). Hint 1 keeps rows
             # invariant over the most row counts; larger hints break it for LM-head shapes

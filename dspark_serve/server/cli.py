@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 
 from dspark_serve.engine.config import (DTYPES, QUANTIZATIONS, SCHEDULERS, SPECULATIVE_MODES,
                                          EngineConfig)
@@ -48,8 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
                    help="engine RNG seed (default: %(default)s)")
     p.add_argument("--threads", type=int,
-                   help="CPU threads of the engine's tensor ops (default: torch's, one per "
-                        "core); on a CPU other busy processes share, one thread decodes faster")
+                   help="CPU threads of the engine's tensor ops (default: one per core but "
+                        "one, which is left to the HTTP event loop; OMP_NUM_THREADS, if set)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="info",
@@ -102,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(serving_threads(args.threads, torch.get_num_threads()))
 
     from dspark_serve.engine.llm_engine import LLMEngine
     from dspark_serve.server.app import create_app
@@ -111,3 +111,14 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def serving_threads(requested: int | None, available: int) -> int:
+    """Engine threads: ``requested``, else ``available`` (torch's default: one per core, or
+    OMP_NUM_THREADS) less one core for the event loop that streams every token (measured on
+    2 cores, plain decoding over HTTP: 59 tok/s with one engine thread, 35 with two)."""
+    if requested is not None:
+        return requested
+    if "OMP_NUM_THREADS" in os.environ:
+        return available
+    return max(1, available - 1)

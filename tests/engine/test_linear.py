@@ -69,8 +69,8 @@ def _kernel_like(single_row_differs: bool, same_up_to: int):
 def test_row_limits_finds_the_invariant_row_counts(single_row_differs, same_up_to, expected):
     call, _ = _kernel_like(single_row_differs, same_up_to)
     key = ("fake", single_row_differs, same_up_to)
-    assert row_limits(call, key, 512) == expected
-    assert row_limits(lambda x: pytest.fail("probed twice"), key, 512) == expected
+    assert row_limits(call, key, 64) == expected   # 64 << 16 rows: capped at MAX_ROWS = 128
+    assert row_limits(lambda x: pytest.fail("probed twice"), key, 64) == expected
 
 
 def test_row_chunks_pad_single_rows_and_cut_long_inputs():

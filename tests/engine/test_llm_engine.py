@@ -72,7 +72,8 @@ def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
                                         greedy_reference, monkeypatch):
     """Drafting that costs more than it can gain (10 s per draft against COST_TABLE's
     ~0.1 s steps): the async scheduler runs plain decode steps, drafting only while it has no
-    survival history yet and then once every PROBE_INTERVAL steps; output unchanged. The
+    survival history yet and then in probes at most once per PROBE_INTERVAL steps; output
+    unchanged. The
     drafter's context catches up in one batch per drafted step, none in the others."""
     engine = engine_for("dspark", "async")
     sched = engine.speculator.scheduler

@@ -5,7 +5,7 @@ import torch
 
 from dspark_serve.scheduling import AsyncScheduler, CostTable, make_scheduler
 from dspark_serve.scheduling.admission import survival
-from dspark_serve.scheduling.async_scheduler import PROBE_INTERVAL
+from dspark_serve.scheduling.async_scheduler import MAX_PROBE_INTERVAL, PROBE_INTERVAL
 
 FLAT = CostTable((1, 4096), (1.0, 1.0), 4096)
 
@@ -135,8 +135,19 @@ def test_drafting_time_enters_the_throughput():
     # plain step gives 1 * SPS(1) = 1.0 tokens/s: drafting does not pay
     sched.observe_draft(1, 5.0)
     assert sched.capacity(1) == 2
-    assert [sched.worth_drafting(1) for _ in range(2 * PROBE_INTERVAL)] == (
-        [False] * (PROBE_INTERVAL - 1) + [True]) * 2     # a probe every PROBE_INTERVAL steps
+    # probes after 16, 32, 64, 128, 256, 256 skipped steps (back-off while drafting loses)
+    intervals = [PROBE_INTERVAL * 2 ** i for i in range(5)] + [MAX_PROBE_INTERVAL]
+    assert intervals[-2] == MAX_PROBE_INTERVAL
+    expected = sum(([False] * (n - 1) + [True] for n in intervals), [])
+    assert [sched.worth_drafting(1) for _ in range(len(expected))] == expected
+    # drafting pays again (no drafting time): the interval is back to PROBE_INTERVAL
+    for _ in range(60):
+        sched.observe_draft(1, 0.0)       # the moving average decays to ~5 * 0.75 ** 60 s
+    assert sched.worth_drafting(1)
+    for _ in range(60):
+        sched.observe_draft(1, 5.0)
+    assert [sched.worth_drafting(1) for _ in range(PROBE_INTERVAL)] == (
+        [False] * (PROBE_INTERVAL - 1) + [True])
     # d = 0.5 s: Theta_1 = 1.5 / (1 / 0.9 + 0.5) = 0.931 < 1.0 but the survival of a better
     # drafter (a = 0.9, 0.81) gives Theta_1 = 1.9 / 1.611 = 1.18 > 1.0
     sched.reset()

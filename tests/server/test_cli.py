@@ -65,4 +65,15 @@ def test_threads_flag(launched, monkeypatch):
     assert calls == [1]
     assert cli.main(["serve", "--threads", "0"]) == 2
     assert calls == [1]
-    assert cli.main(["serve"]) == 0 and calls == [1]   # no flag: torch's default stays
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert cli.main(["serve"]) == 0 and calls == [1, 7]  # no flag: a core for the event loop
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert cli.main(["serve"]) == 0 and calls == [1, 7, 8]  # the user's OMP_NUM_THREADS
+
+
+def test_serving_threads():
+    from dspark_serve.server.cli import serving_threads
+
+    assert serving_threads(3, 16) == 3
+    assert serving_threads(None, 1) == 1
