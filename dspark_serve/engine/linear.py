@@ -116,7 +116,7 @@ class Linear:
 def _by_row_chunks(fn, x: torch.Tensor, min_rows: int, max_rows: int) -> torch.Tensor:
     """``fn`` over x [T, in] in calls of min_rows..max_rows rows (row invariance; a shorter
     piece is padded with copies of its first row)."""
-    if min_rows <= x.shape[0] <= max_rows:
+    if x.shape[0] == 0 or min_rows <= x.shape[0] <= max_rows:
         return fn(x)
     parts = []
     for part in x.split(max_rows):

@@ -85,6 +85,17 @@ def test_row_chunks_pad_single_rows_and_cut_long_inputs():
     assert calls == [5, 5, 2] and torch.equal(out, reference[:11])
     calls.clear()
     assert torch.equal(_by_row_chunks(call, x[:1], 2, 5), reference[:1]) and calls == [2]
+    # no rows (a step whose prefill chunks need no logits): one empty call
+    calls.clear()
+    assert _by_row_chunks(call, x[:0], 2, 5).shape == (0, 1) and calls == [0]
+
+
+def test_zero_rows():
+    """A step whose prefill chunks need no logits calls the LM head with no rows."""
+    packed = Linear(torch.randn(576, 1536).bfloat16())
+    int4 = Int4Linear(torch.randn(64, 128))
+    assert packed(torch.zeros(0, 1536).bfloat16()).shape == (0, 576)
+    assert int4(torch.zeros(0, 128).bfloat16()).shape == (0, 64)
 
 
 def test_pack_linears_keeps_parameters_and_matches_f_linear():

@@ -95,6 +95,19 @@ def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
     assert all(s.verify_tokens == 0 and s.drafted_tokens == 0 for s in steps if not s.rounds)
 
 
+def test_chunked_prefill_equals_whole_prompt_prefill(make_engine, generate, mtbench_prompts,
+                                                     greedy_reference):
+    """Prompts prefilled 16 tokens per step (steps whose chunks need no logits, chunks next to
+    other requests' decode tokens) decode exactly as with whole-prompt prefill."""
+    engine = make_engine(speculative="dspark", max_num_seqs=MAX_NUM_SEQS, max_model_len=512,
+                         prefill_chunk=16)
+    out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
+                                                           max_tokens=REF_TOKENS))
+    assert min(len(ids) for ids in mtbench_prompts.values()) > 16
+    for rid, ref in greedy_reference.items():
+        assert out[rid].token_ids == ref.token_ids, rid
+
+
 def test_int4_target_speculative_equals_plain(make_engine, generate, mtbench_prompts,
                                              reference_oracle, use_oracle):
     """``quantization="int4"``: speculative greedy output equals plain greedy output of the

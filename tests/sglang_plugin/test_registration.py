@@ -31,6 +31,18 @@ def test_entry_point_discoverable():
     assert len(eps) == 1 and eps[0].load() is register
 
 
+def test_sglang_load_plugins_finds_and_runs_it(monkeypatch):
+    from sglang.srt.plugins import GENERAL_PLUGINS_GROUP, load_plugins, load_plugins_by_group
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    assert GENERAL_PLUGINS_GROUP == ENTRY_POINT_GROUP
+    func, _ = load_plugins_by_group(GENERAL_PLUGINS_GROUP)[ENTRY_POINT_NAME]
+    assert func is register
+    load_plugins()
+    assert SpeculativeAlgorithm.from_string(ALGORITHM_NAME).name == ALGORITHM_NAME
+
+
 def test_algorithm_registered(registered):
     from dspark_serve.sglang_plugin.spec_algo import DSparkServeSpecAlgo
     algo = registered.from_string("dspark_serve")
