@@ -6,7 +6,8 @@ ablation, where every position is independent), x_0 the anchor. The warping (tem
 top-k, top-p, min-p) is ``dspark_serve.sampling.warping.warp_probs``, the same function the
 verifier applies to the target, so rejection sampling compares like with like. The bias is
 added in float32 (DeepSpec adds it in the model dtype; float32 keeps bf16 drafters from
-rounding the sum).
+rounding the sum). The draw is ``dspark_serve.ops.markov.sequential_sample``, also the fused
+CUDA kernel's reference; a plain Markov head on a GPU runs that kernel when it is built.
 
 The teacher-forced path evaluates the same per-position computation for given tokens, so its
 logits equal the sampling path's bit for bit when fed the sampled tokens.
@@ -17,8 +18,9 @@ import torch
 from torch import nn
 
 from dspark_serve.drafter.confidence_head import ConfidenceHead
-from dspark_serve.sampling.sampler import sample_from_probs
-from dspark_serve.sampling.warping import GREEDY_TEMPERATURE, warp_probs
+from dspark_serve.drafter.markov_head import MarkovHead
+from dspark_serve.ops.extension import use_cuda_kernel
+from dspark_serve.ops.markov import markov_sample, sequential_sample
 from dspark_serve.types import DraftBlock, SamplingTensors
 
 
@@ -45,40 +47,22 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens:
     if uniforms.shape != (r, gamma) or uniforms.dtype != torch.float32:
         raise ValueError(f"uniforms must be float32 [{r}, {gamma}], got {uniforms.dtype} "
                          f"{tuple(uniforms.shape)}")
-    # All-greedy rounds: warp_probs would make each position a one-hot at the first argmax
-    # and sampling it returns that argmax, so take the argmax and build the one-hots once
-    # (saves a [R, V] warp and cumulative sum per position: ~10 ms of a CPU step at R = 4).
-    greedy = bool((sampling.temperature < GREEDY_TEMPERATURE).all())
-    if head is None:
-        logits = base_logits.float()
-        if greedy:
-            tokens = logits.argmax(dim=-1)
-        else:
-            # Independent positions: warp and sample the whole block at once.
-            probs = warp_probs(logits.reshape(r * gamma, vocab),
-                               sampling.repeat_interleave(gamma)).view(r, gamma, vocab)
-            tokens = sample_from_probs(probs.view(r * gamma, vocab), uniforms.reshape(-1))
-            tokens = tokens.view(r, gamma)
-    else:
+    if (type(head) is MarkovHead and use_cuda_kernel(base_logits)
+            and (confidence_head is None or confidence_head.markov_rank == head.rank)):
+        conf = () if confidence_head is None else (confidence_head.proj.weight.view(-1),
+                                                   confidence_head.proj.bias)
+        return markov_sample(base_logits, hidden, head.markov_w1.weight,
+                             head.markov_w2.weight, anchor_tokens, sampling, uniforms, *conf)
+    bias_step = None
+    if head is not None:
         state = head.init_state((r,), hidden)
-        prev = anchor_tokens
-        token_list, prob_list = [], []
-        for k in range(gamma):
+
+        def bias_step(k: int, prev: torch.Tensor) -> torch.Tensor:
+            nonlocal state
             state, bias = head.step(state, prev, hidden[:, k])
-            logits_k = base_logits[:, k].float() + bias.float()
-            if greedy:
-                prev = logits_k.argmax(dim=-1)
-            else:
-                probs_k = warp_probs(logits_k, sampling)
-                prev = sample_from_probs(probs_k, uniforms[:, k].contiguous())
-                prob_list.append(probs_k)
-            token_list.append(prev)
-        tokens = torch.stack(token_list, dim=1)
-        if not greedy:
-            probs = torch.stack(prob_list, dim=1)
-    if greedy:
-        probs = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=tokens.device)
-        probs.scatter_(2, tokens[:, :, None], 1.0)
+            return bias
+
+    tokens, probs = sequential_sample(base_logits, anchor_tokens, bias_step, sampling, uniforms)
     conf = confidence_logits(hidden, _prev_tokens(anchor_tokens, tokens), head, confidence_head)
     return DraftBlock(tokens=tokens, probs=probs, conf_logits=conf)
 

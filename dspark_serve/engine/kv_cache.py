@@ -4,7 +4,7 @@ per running request, for every layer.
 A request owns a slot from ``allocate()`` to ``free()``; its token at absolute position p keeps
 its keys/values at ``[layer, slot, :, p]``. The cache never tracks which positions hold valid
 entries: the engine knows each request's committed length, and attention only reads positions
-0..p of a query at position p (``dspark_serve.engine.attention``). Rolling back rejected
+0..p of a query at position p (``dspark_serve.ops.varlen_attention``). Rolling back rejected
 draft tokens therefore costs nothing: the next step overwrites their positions.
 
 Capacity is counted in tokens so schedulers can admit requests by size: ``free_tokens`` is the
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark_serve.engine.attention import KV_BLOCK
+from dspark_serve.ops.paged_attention import KV_BLOCK
 
 
 class KVCache:
@@ -28,8 +28,9 @@ class KVCache:
 
     Attributes:
         k, v: [num_layers, num_slots, num_kv_heads, padded_len, head_dim] in the model
-            dtype; keys after RoPE (and Qwen3's k_norm). ``k[layer]`` is the layout
-            ``varlen_attention`` reads.
+            dtype; keys after RoPE (and Qwen3's k_norm). ``paged(layer)`` shows one layer
+            as the paged cache ``dspark_serve.ops.varlen_attention`` reads.
+        page_table: [num_slots, 1] int64, slot s's one page is page s.
 
     Args:
         num_layers, num_slots, max_len, num_kv_heads, head_dim: sizes (all > 0).
@@ -50,6 +51,7 @@ class KVCache:
         shape = (num_layers, num_slots, num_kv_heads, padded_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_table = torch.arange(num_slots, device=device)[:, None]
         self._max_len = max_len
         self.allocated = torch.zeros(num_slots, dtype=torch.bool)
         # Lowest free slot first keeps the used part of the cache compact.
@@ -135,6 +137,11 @@ class KVCache:
             raise ValueError(f"positions must be in [0, {self.max_len}) (the cache's max_len)")
         if torch.unique(slots * self.max_len + positions).numel() != slots.numel():
             raise ValueError("a (slot, position) pair occurs twice in one step")
+
+    def paged(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values as a paged cache [num_slots, padded_len, Hkv, D]
+        (views: one page of ``padded_len`` positions per slot, addressed by ``page_table``)."""
+        return self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)
 
     def write_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Row indices [T * num_kv_heads] int64 of the tokens' entries in a layer's cache

@@ -3,7 +3,8 @@
 transformers loads the weights, config and tokenizer; the forward is our own and lean: the
 step's T tokens of all requests (prefill chunks, decode tokens, verify blocks, in any mix) go
 through every layer as one [T, hidden] batch with no padding, attention reads each token's
-own KV cache slot (``varlen_attention``), and the LM head runs only on the rows whose logits
+own KV cache slot (``dspark_serve.ops.varlen_attention``: the CUDA kernel for a GPU cache
+when built, its PyTorch reference otherwise), and the LM head runs only on the rows whose logits
 are requested. Python work per step is a fixed number of tensor calls per layer, independent
 of the number of requests; the per-step bookkeeping (attention layout, RoPE angles, cache
 rows) is done once for all layers.
@@ -28,7 +29,7 @@ replaces the last entry by the final-normed state). Tap -1 is the embedding outp
 
 Dtype: "bfloat16" is the serving choice. Its logits are bit-identical for a token however the
 step is composed (decode alone, inside a verify block, next to other requests' prefill
-chunks; see ``attention``), so greedy speculative decoding reproduces plain decoding exactly,
+chunks; see ``dspark_serve.ops.paged_attention``), so greedy speculative decoding reproduces plain decoding exactly,
 and its oneDNN-packed linears (``linear``) are 2x (one token) to 6x (64 tokens) faster than
 float32 on an idle AVX512-BF16/AMX CPU. Its accuracy is transformers' bfloat16's: against
 float32 (SmolLM2-135M, 8 chat prompts, 354 greedy positions) top-1 agreement 98.3 % for both,
@@ -49,10 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_serve.engine.attention import plan_varlen, varlen_attention
 from dspark_serve.engine.kv_cache import KVCache
 from dspark_serve.engine.linear import flat_call
 from dspark_serve.engine.target_weights import TargetWeights, load_weights
+from dspark_serve.ops.paged_attention import plan_varlen, varlen_attention, varlen_kernel_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -170,7 +171,12 @@ class TargetModel:
                 ((logit_indices < 0) | (logit_indices >= t)).any()):
             raise ValueError(f"logit_indices must be in [0, {t})")
         hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
-        plan = plan_varlen(slots, positions, hq // hkv, cache.k.shape[3])
+        marker = torch.stack([slots, positions], dim=1)
+        k_pages, _ = cache.paged(0)
+        # The CUDA kernel (when built) needs no plan; the reference shares one across layers.
+        plan = None
+        if not varlen_kernel_applies(k_pages.new_empty((0, hq, d)), k_pages, k_pages):
+            plan = plan_varlen(marker, hq // hkv, k_pages, cache.page_table)
         rows = cache.write_rows(slots, positions)
         cos, sin = w.rope(positions)
         h = F.embedding(input_ids, w.embed)
@@ -187,7 +193,8 @@ class TargetModel:
             qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), sin)
             k, v = qk[:, hq:], qkv[:, (hq + hkv) * d:].view(t, hkv, d)
             cache.write(i, rows, k, v)
-            o = varlen_attention(qk[:, :hq], cache.k[i], cache.v[i], scale=w.scale, plan=plan)
+            o = varlen_attention(qk[:, :hq], marker, *cache.paged(i), cache.page_table,
+                                 scale=w.scale, validate=False, plan=plan)
             h = h + layer.o_proj(o.reshape(t, hq * d))
             x = F.rms_norm(h, (w.hidden_size,), layer.post_norm, w.eps)
             gate_up = layer.gate_up(x)

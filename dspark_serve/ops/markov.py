@@ -6,18 +6,22 @@ For k = 1..gamma, with x_0 the anchor and u the caller's uniforms:
     p_k      = warp_probs(logits_k, sampling)     (temperature, top-k, top-p, min-p)
     x_k      = sample_from_probs(p_k, u[:, k-1])  (inverse CDF)
     conf_k   = w . [h_k ; W1[x_{k-1}]] + b        (Eq 7, raw logit)
-This is ``dspark_serve.drafter.block_sampler.sample_block`` with a ``MarkovHead`` and a
-``ConfidenceHead(markov_rank=r)``, except that the bias and the confidence logit are kept in
-float32 instead of being rounded to the weights' dtype. The kernel runs all gamma steps in
-one launch (``csrc/markov_sample.cuh``); given the same uniforms it picks the same tokens.
+The left-to-right draw itself is ``sequential_sample``, shared with the drafter
+(``dspark_serve.drafter.block_sampler.sample_block``, the CPU engine's path, which calls it
+with its own head's step and dispatches a plain Markov head on a GPU to the kernel). The
+reference keeps the bias and the confidence logit in float32, as the kernel does; the
+drafter's modules round them to the weights' dtype. The kernel runs all gamma steps in one
+launch (``csrc/markov_sample.cuh``); given the same uniforms it picks the same tokens.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 from dspark_serve.ops.extension import capturing, use_cuda_kernel
 from dspark_serve.sampling.sampler import sample_from_probs
-from dspark_serve.sampling.warping import warp_probs
+from dspark_serve.sampling.warping import GREEDY_TEMPERATURE, warp_probs
 from dspark_serve.types import DraftBlock, SamplingTensors
 
 # launch_mode values of the CUDA op.
@@ -98,31 +102,77 @@ def markov_sample_reference(base_logits: torch.Tensor, hidden: torch.Tensor, w1:
                             w2: torch.Tensor, anchor: torch.Tensor, sampling: SamplingTensors,
                             uniforms: torch.Tensor, conf_weight: torch.Tensor | None = None,
                             conf_bias: torch.Tensor | None = None) -> DraftBlock:
-    """PyTorch reference of ``markov_sample`` (same arguments, no launch options): a loop
-    over the gamma positions in float32 with ``warp_probs`` and ``sample_from_probs``."""
-    r, gamma, vocab, _ = _check_shapes(base_logits, hidden, w1, w2, anchor, uniforms,
-                                       conf_weight, conf_bias)
-    d = hidden.shape[2]
+    """PyTorch reference of ``markov_sample`` (same arguments, no launch options):
+    ``sequential_sample`` with the Eq 5 bias in float32, then the Eq 7 logits."""
+    r, gamma, _, rank = _check_shapes(base_logits, hidden, w1, w2, anchor, uniforms,
+                                      conf_weight, conf_bias)
     w2f = w2.float()
-    prev = anchor
-    tokens, probs, conf = [], [], []
-    for k in range(gamma):
-        emb = w1[prev].float()                                              # [R, r]
-        probs_k = warp_probs(base_logits[:, k].float() + emb @ w2f.T, sampling)
-        if conf_weight is None:
-            conf.append(torch.zeros(r, dtype=torch.float32, device=base_logits.device))
+    embeddings = []                                     # W1[x_{k-1}] [R, r] per position
+
+    def markov_bias(k: int, prev: torch.Tensor) -> torch.Tensor:
+        embeddings.append(w1[prev].float())
+        return embeddings[-1] @ w2f.T
+
+    tokens, probs = sequential_sample(base_logits, anchor, markov_bias, sampling, uniforms)
+    conf = torch.zeros((r, gamma), dtype=torch.float32, device=base_logits.device)
+    if conf_weight is not None and gamma:
+        d, cw = hidden.shape[2], conf_weight.float()
+        conf = hidden.float() @ cw[:d] + torch.stack(embeddings, dim=1) @ cw[d:] \
+            + conf_bias.float()
+    return DraftBlock(tokens=tokens, probs=probs, conf_logits=conf)
+
+
+def sequential_sample(base_logits: torch.Tensor, anchor: torch.Tensor,
+                      bias_step: Callable[[int, torch.Tensor], torch.Tensor] | None,
+                      sampling: SamplingTensors,
+                      uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The left-to-right draw of Eq 4: x_k ~ warp(U_k + bias_step(k - 1, x_{k-1})).
+
+    Args:
+        base_logits: [R, gamma, V] float, U.
+        anchor: [R] int64, x_0.
+        bias_step: (k, x_k [R] int64) -> [R, V] bias of position k + 1, called for
+            k = 0..gamma-1 in order (a recurrent head keeps its state in the closure); None =
+            no sequential head (DFlash: independent positions, warped and sampled at once).
+        sampling: ``SamplingTensors`` with R rows.
+        uniforms: [R, gamma] float32 in [0, 1); position k uses column k-1.
+    Returns:
+        tokens [R, gamma] int64 and probs [R, gamma, V] float32, the warped p_d each token was
+        drawn from (a one-hot at the argmax for temperature 0).
+    """
+    r, gamma, vocab = base_logits.shape
+    # All-greedy rounds: warp_probs would make each position a one-hot at the first argmax
+    # and sampling it returns that argmax, so take the argmax and build the one-hots once
+    # (saves a [R, V] warp and cumulative sum per position: ~10 ms of a CPU step at R = 4).
+    greedy = bool((sampling.temperature < GREEDY_TEMPERATURE).all())
+    if bias_step is None:
+        logits = base_logits.float()
+        if greedy:
+            tokens = logits.argmax(dim=-1)
         else:
-            cw = conf_weight.float()
-            conf.append(hidden[:, k].float() @ cw[:d] + emb @ cw[d:] + conf_bias.float())
-        prev = sample_from_probs(probs_k, uniforms[:, k].contiguous())
-        tokens.append(prev)
-        probs.append(probs_k)
-    if gamma == 0:
-        empty = torch.empty((r, 0), device=base_logits.device)
-        return DraftBlock(tokens=empty.long(), probs=empty.new_empty((r, 0, vocab)),
-                          conf_logits=empty.float())
-    return DraftBlock(tokens=torch.stack(tokens, dim=1), probs=torch.stack(probs, dim=1),
-                      conf_logits=torch.stack(conf, dim=1))
+            probs = warp_probs(logits.reshape(r * gamma, vocab),
+                               sampling.repeat_interleave(gamma)).view(r, gamma, vocab)
+            tokens = sample_from_probs(probs.view(r * gamma, vocab),
+                                       uniforms.reshape(-1)).view(r, gamma)
+    else:
+        prev = anchor
+        token_list, prob_list = [], []
+        for k in range(gamma):
+            logits_k = base_logits[:, k].float() + bias_step(k, prev).float()
+            if greedy:
+                prev = logits_k.argmax(dim=-1)
+            else:
+                prob_list.append(warp_probs(logits_k, sampling))
+                prev = sample_from_probs(prob_list[-1], uniforms[:, k].contiguous())
+            token_list.append(prev)
+        tokens = torch.stack(token_list, dim=1) if gamma else anchor.new_empty((r, 0))
+        if not greedy:
+            probs = torch.stack(prob_list, dim=1) if gamma else base_logits.new_empty(
+                (r, 0, vocab), dtype=torch.float32)
+    if greedy:
+        probs = torch.zeros(r, gamma, vocab, dtype=torch.float32, device=tokens.device)
+        probs.scatter_(2, tokens[:, :, None], 1.0)
+    return tokens, probs
 
 
 def _check_shapes(base_logits, hidden, w1, w2, anchor, uniforms, conf_weight,

@@ -6,7 +6,9 @@ import unittest
 
 import torch
 
+from dspark_serve.engine.kv_cache import KVCache
 from dspark_serve.ops import cuda_ops_available, varlen_attention, varlen_attention_reference
+from dspark_serve.ops.paged_attention import varlen_kernel_applies
 
 try:
     import pytest
@@ -94,6 +96,23 @@ class VarlenAttentionKernelTest(unittest.TestCase):
         ref = varlen_attention_reference(q.float(), marker, k_cache.float(), v_cache.float(),
                                          page_table)
         self.assertLess((expected.float() - ref).abs().max().item(), 2e-2)
+
+    def test_engine_kv_cache_runs_the_kernel(self):
+        """The engine's cache (one page per slot, a permuted view) meets the kernel's stride
+        rules, so a target forward on the GPU runs the kernel, not the reference."""
+        cache = KVCache(num_layers=1, num_slots=5, max_len=300, num_kv_heads=3, head_dim=64,
+                        dtype=torch.bfloat16, device="cuda")
+        cache.k.normal_()
+        cache.v.normal_()
+        k_pages, v_pages = cache.paged(0)
+        marker = torch.tensor([[3, 299], [0, 10], [3, 298], [4, 0], [0, 11]], device="cuda")
+        q = torch.randn(5, 9, 64, device="cuda").bfloat16()
+        self.assertTrue(varlen_kernel_applies(q, k_pages, v_pages))
+        out = varlen_attention(q, marker, k_pages, v_pages, cache.page_table)
+        ref = varlen_attention_reference(q.float(), marker, k_pages.float(), v_pages.float(),
+                                         cache.page_table)
+        self.assertFalse(bool(out.isnan().any()))
+        self.assertLess((out.float() - ref).abs().max().item(), 2e-2)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ import unittest
 import torch
 
 from dspark_serve.bench.kernel_cases import boundary_safe_uniforms
+from dspark_serve.drafter.block_sampler import sample_block
+from dspark_serve.drafter.confidence_head import ConfidenceHead
+from dspark_serve.drafter.markov_head import MarkovHead
 from dspark_serve.ops import cuda_ops_available, markov_sample_reference, philox_uniforms
 from dspark_serve.types import SamplingTensors
 
@@ -105,6 +108,23 @@ class MarkovKernelTest(unittest.TestCase):
         graph.replay()
         torch.cuda.synchronize()
         self.check(case, static)
+
+    def test_drafter_sample_block_runs_the_kernel(self):
+        """The drafter's path (what the engine calls) reaches the kernel for a Markov head on
+        the GPU: tokens equal the reference's, where the drafter's own modules would round the
+        bias to bf16 and could pick other tokens."""
+        case = make_case(6, 7, 4099, 64, 64, torch.bfloat16, seed=31)
+        vocab, rank = case["w1"].shape
+        head = MarkovHead(vocab, rank).to("cuda", torch.bfloat16)
+        conf_head = ConfidenceHead(64, rank).to("cuda", torch.bfloat16)
+        with torch.no_grad():
+            head.markov_w1.weight.copy_(case["w1"])
+            head.markov_w2.weight.copy_(case["w2"])
+            conf_head.proj.weight.copy_(case["conf_weight"][None])
+            conf_head.proj.bias.copy_(case["conf_bias"])
+            block = sample_block(case["base_logits"], case["hidden"], case["anchor"], head,
+                                 conf_head, case["sampling"], case["uniforms"])
+        self.check(case, (block.tokens, block.probs, block.conf_logits))
 
 
 @unittest.skipIf(SKIP is not None, SKIP or "")
