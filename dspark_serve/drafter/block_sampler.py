@@ -10,7 +10,8 @@ rounding the sum). The draw is ``dspark_serve.ops.markov.sequential_sample``, al
 CUDA kernel's reference; a plain Markov head on a GPU runs that kernel when it is built.
 
 The teacher-forced path evaluates the same per-position computation for given tokens, so its
-logits equal the sampling path's bit for bit when fed the sampled tokens.
+logits equal the PyTorch sampling path's bit for bit when fed the sampled tokens (the kernel
+keeps the bias in float32 where the head's modules round it to their dtype).
 """
 from __future__ import annotations
 
