@@ -1,6 +1,11 @@
 """The CUDA kernel benchmark's CPU-side parts: dry run, the plan the issue asks for, the
-reference callables and traffic floors of its cases, and the table."""
+reference callables and traffic floors of its cases, the table, and the GPU check script's
+options."""
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -71,3 +76,16 @@ def test_boundary_safe_uniforms_center_every_draw():
             assert p[t] >= 1e-3 or t == int(p.argmax())
             # The draw sits at the middle of its token's interval, far from either boundary.
             assert min(x - float(cdf[t] - p[t]), float(cdf[t]) - x) > 0.49 * float(p[t])
+
+
+def test_gpu_check_script_dry_run_and_usage():
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
+    env = dict(os.environ, PYTHON=sys.executable)
+    env.pop("OUT", None)
+    done = subprocess.run([str(script), "--dry-run", "--sglang-only"], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "tok/s rows for none / DSPARK / DSPARK_SERVE at concurrency 1 and 32" in done.stdout
+    bad = subprocess.run([str(script), "--fast"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert bad.returncode == 2 and "--kernels-only | --sglang-only" in bad.stderr
