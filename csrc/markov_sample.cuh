@@ -135,8 +135,11 @@ cudaError_t launch(Params<T> p, void* workspace, LaunchMode mode, cudaStream_t s
       void* args[] = {&q};
       err = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(persistent_kernel<T>), dim3(grid),
                                         dim3(kThreads), args, smem, stream);
-      if (err != cudaSuccess) return err;
-      continue;
+      if (err == cudaSuccess) continue;
+      // Auto mode: a grid the occupancy query allowed can still be refused (e.g. MPS SM
+      // limits); then run per phase rather than fail the step.
+      if (mode == LaunchMode::kPersistent || err != cudaErrorCooperativeLaunchTooLarge) return err;
+      (void)cudaGetLastError();
     }
     err = ensure_dynamic_smem(reinterpret_cast<const void*>(tiles_kernel<T>), smem);
     if (err == cudaSuccess) err = ensure_dynamic_smem(reinterpret_cast<const void*>(rows_kernel<T>), smem);

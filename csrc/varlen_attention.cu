@@ -72,10 +72,14 @@ void varlen_attention(const at::Tensor& q, const at::Tensor& marker, const at::T
   TORCH_CHECK(D == 64 || D == 128, "head dim must be 64 or 128, got ", D);
   TORCH_CHECK(k_cache.dim() == 4, "k_cache must be [num_pages, page_size, Hkv, D]");
   const int64_t hkv = k_cache.size(2);
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0 && hq / hkv <= attn::kBlockM,
+  TORCH_CHECK(hkv > 0 && hq > 0 && hq % hkv == 0 && hq / hkv <= attn::kBlockM,
               "Hq must be a multiple of Hkv with group size <= 64, got Hq=", hq, " Hkv=", hkv);
   check_tensor(q, "q", device, dtype, {T, hq, D});
   check_tensor(out, "out", device, dtype, {T, hq, D});
+  // Q and O rows move as 16-byte vectors: a contiguous view at an odd offset would fault.
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0 &&
+                  reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+              "q and out must be 16-byte aligned");
   check_tensor(marker, "marker", device, at::kInt, {T, 2});
   check_cache(k_cache, "k_cache", device, dtype, hkv, D);
   check_cache(v_cache, "v_cache", device, dtype, hkv, D);

@@ -37,7 +37,7 @@ def markov_sample(base_logits: torch.Tensor, hidden: torch.Tensor, w1: torch.Ten
     """Draw a block of gamma draft tokens per request with the Markov head.
 
     Uses the CUDA kernel when every tensor is on a GPU, the extension is built, the
-    floating tensors share one dtype (fp32/fp16/bf16) and the rank is a multiple of 16;
+    floating tensors share one dtype (fp32/fp16/bf16) and the rank is a positive multiple of 16;
     otherwise ``markov_sample_reference``.
 
     Args:
@@ -73,7 +73,7 @@ def markov_sample(base_logits: torch.Tensor, hidden: torch.Tensor, w1: torch.Ten
         floats += [conf_weight, conf_bias]
     tensors = floats + [anchor, uniforms, sampling.temperature, sampling.top_k, sampling.top_p,
                         sampling.min_p]
-    kernel_ok = (use_cuda_kernel(*tensors) and rank % 16 == 0
+    kernel_ok = (use_cuda_kernel(*tensors) and rank > 0 and rank % 16 == 0
                  and w1.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
                  and base_logits.dtype in _KERNEL_DTYPES
                  and all(t.dtype == base_logits.dtype for t in floats))

@@ -193,9 +193,12 @@ def varlen_attention(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tenso
     if validate and not capturing():
         _check_values(marker, k_cache, page_table)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q = q.contiguous()
+    if q.data_ptr() % 16:
+        q = q.clone()       # a contiguous view at an odd offset: the kernel loads 16 bytes
     if q.shape[0]:
         torch.ops.dspark.varlen_attention(
-            q.contiguous(), marker.to(torch.int32).contiguous(), k_cache, v_cache,
+            q, marker.to(torch.int32).contiguous(), k_cache, v_cache,
             page_table.to(torch.int32).contiguous(), out,
             float(q.shape[2] ** -0.5 if scale is None else scale), num_splits)
     return out
@@ -207,7 +210,7 @@ def varlen_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``plan_varlen``."""
     hq, d, hkv = q.shape[1], q.shape[2], k_cache.shape[2]
     return (use_cuda_kernel(q, k_cache, v_cache) and q.dtype in _KERNEL_DTYPES
-            and d in _KERNEL_HEAD_DIMS and hq // hkv <= _KERNEL_MAX_GROUP
+            and d in _KERNEL_HEAD_DIMS and 0 < hq // hkv <= _KERNEL_MAX_GROUP
             and all(c.stride(3) == 1 and all(s % 8 == 0 for s in c.stride()[:3])
                     and c.data_ptr() % 16 == 0 for c in (k_cache, v_cache)))
 

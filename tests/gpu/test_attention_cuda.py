@@ -114,6 +114,22 @@ class VarlenAttentionKernelTest(unittest.TestCase):
         self.assertFalse(bool(out.isnan().any()))
         self.assertLess((out.float() - ref).abs().max().item(), 2e-2)
 
+    def test_degenerate_inputs_error_or_fall_back_cleanly(self):
+        q, marker, k_cache, v_cache, page_table = make_case([(40, 3), (9, 2)], 8, 2, 64, 16,
+                                                            torch.bfloat16, seed=8)
+        # A contiguous view at an odd element offset: copied, not a misaligned-load fault.
+        flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
+        shifted = flat[1:].view(q.shape)
+        shifted.copy_(q)
+        torch.testing.assert_close(varlen_attention(shifted, marker, k_cache, v_cache, page_table),
+                                   varlen_attention(q, marker, k_cache, v_cache, page_table))
+        # No query heads: a clear error, not a division by zero on the host.
+        with self.assertRaises(ValueError):
+            varlen_attention(q[:, :0], marker, k_cache, v_cache, page_table)
+        with self.assertRaises(RuntimeError):
+            torch.ops.dspark.varlen_attention(q[:, :0], marker, k_cache, v_cache, page_table,
+                                              torch.empty_like(q[:, :0]), 0.125, 0)
+
 
 if __name__ == "__main__":
     unittest.main()

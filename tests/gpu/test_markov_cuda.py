@@ -10,7 +10,8 @@ from dspark_serve.bench.kernel_cases import boundary_safe_uniforms
 from dspark_serve.drafter.block_sampler import sample_block
 from dspark_serve.drafter.confidence_head import ConfidenceHead
 from dspark_serve.drafter.markov_head import MarkovHead
-from dspark_serve.ops import cuda_ops_available, markov_sample_reference, philox_uniforms
+from dspark_serve.ops import (cuda_ops_available, markov_sample, markov_sample_reference,
+                              philox_uniforms)
 from dspark_serve.types import SamplingTensors
 
 try:
@@ -125,6 +126,15 @@ class MarkovKernelTest(unittest.TestCase):
             block = sample_block(case["base_logits"], case["hidden"], case["anchor"], head,
                                  conf_head, case["sampling"], case["uniforms"])
         self.check(case, (block.tokens, block.probs, block.conf_logits))
+
+    def test_rank_zero_falls_back_to_the_reference(self):
+        case = make_case(3, 5, 1000, 16, 64, torch.bfloat16, seed=41)
+        w0 = case["w1"][:, :0]
+        block = markov_sample(case["base_logits"], case["hidden"], w0, w0, case["anchor"],
+                              case["sampling"], case["uniforms"])
+        ref = markov_sample_reference(case["base_logits"], case["hidden"], w0, w0,
+                                      case["anchor"], case["sampling"], case["uniforms"])
+        self.assertTrue(torch.equal(block.tokens, ref.tokens))
 
 
 @unittest.skipIf(SKIP is not None, SKIP or "")
