@@ -282,10 +282,11 @@ def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
             return heads_first[p:p + r, :, :length]
         return heads_first[:, :, :length].index_select(0, plan.row_pages[:, 0])
     _, hkv, page_size, d = heads_first.shape
+    # The gather is a fresh copy, so it is masked in place.
     keys = heads_first[plan.row_pages].permute(0, 2, 1, 3, 4).reshape(r, hkv, -1, d)[:, :, :length]
     # Pages past a row's last position may hold anything (the table may not even name
     # them: those read page 0): zero them so a hidden key meets a finite zero probability.
-    return keys.masked_fill(~plan.key_valid[:, None, :, None], 0)
+    return keys.masked_fill_(~plan.key_valid[:, None, :, None], 0)
 
 
 def _check_shapes(q, marker, k_cache, v_cache, page_table) -> None:

@@ -137,6 +137,7 @@ def test_pages_past_a_rows_last_position_are_never_read():
     out = varlen_attention_reference(q, marker, k_cache, v_cache, page_table)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert k_cache[spare].isnan().all() and v_cache[spare].isnan().all()   # masked a copy
     assert varlen_attention_reference(q[:0], marker[:0], k_cache, v_cache, page_table).shape == (
         0, 6, 32)
 
