@@ -44,7 +44,7 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens:
     Raises:
         ValueError: inconsistent shapes or dtypes.
     """
-    r, gamma, vocab = _check(base_logits, hidden, anchor_tokens)
+    r, gamma, _ = _check(base_logits, hidden, anchor_tokens)
     if uniforms.shape != (r, gamma) or uniforms.dtype != torch.float32:
         raise ValueError(f"uniforms must be float32 [{r}, {gamma}], got {uniforms.dtype} "
                          f"{tuple(uniforms.shape)}")

@@ -29,10 +29,11 @@ replaces the last entry by the final-normed state). Tap -1 is the embedding outp
 
 Dtype: "bfloat16" is the serving choice. Its logits are bit-identical for a token however the
 step is composed (decode alone, inside a verify block, next to other requests' prefill
-chunks; see ``dspark_serve.ops.paged_attention``), so greedy speculative decoding reproduces plain decoding exactly,
-and its oneDNN-packed linears (``linear``) are 2x (one token) to 6x (64 tokens) faster than
-float32 on an idle AVX512-BF16/AMX CPU. Its accuracy is transformers' bfloat16's: against
-float32 (SmolLM2-135M, 8 chat prompts, 354 greedy positions) top-1 agreement 98.3 % for both,
+chunks; see ``dspark_serve.ops.paged_attention``), so greedy speculative decoding reproduces
+plain decoding exactly, and its oneDNN-packed linears (``linear``) are 2x (one token) to 6x
+(64 tokens) faster than float32 on an idle AVX512-BF16/AMX CPU. Its accuracy is
+transformers' bfloat16's: against float32 (SmolLM2-135M, 8 chat prompts, 354 greedy
+positions) top-1 agreement 98.3 % for both,
 mean |logit diff| 0.128 (transformers: 0.122). "float32" matches transformers to ~1e-4 but is
 not batch-invariant (MKL's float32 GEMMs change the last bits with the row count, ~2e-5 in
 the logits), so speculative and plain greedy outputs can in principle part at near-ties.
@@ -172,10 +173,10 @@ class TargetModel:
             raise ValueError(f"logit_indices must be in [0, {t})")
         hq, hkv, d = w.num_heads, w.num_kv_heads, w.head_dim
         marker = torch.stack([slots, positions], dim=1)
-        k_pages, _ = cache.paged(0)
+        k_pages, v_pages = cache.paged(0)
         # The CUDA kernel (when built) needs no plan; the reference shares one across layers.
         plan = None
-        if not varlen_kernel_applies(k_pages.new_empty((0, hq, d)), k_pages, k_pages):
+        if not varlen_kernel_applies(k_pages.new_empty((0, hq, d)), k_pages, v_pages):
             plan = plan_varlen(marker, hq // hkv, k_pages, cache.page_table)
         rows = cache.write_rows(slots, positions)
         cos, sin = w.rope(positions)

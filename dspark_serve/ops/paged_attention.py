@@ -187,9 +187,7 @@ def varlen_attention(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tenso
     if not 0 <= num_splits <= _MAX_SPLITS:
         raise ValueError(f"num_splits must be in [0, {_MAX_SPLITS}], got {num_splits}")
     if not (use_cuda_kernel(marker, page_table) and varlen_kernel_applies(q, k_cache, v_cache)):
-        if plan is None and q.shape[0]:
-            plan = plan_varlen(marker, q.shape[1] // k_cache.shape[2], k_cache, page_table)
-        return _attend(q, k_cache, v_cache, plan, scale)
+        return _attend(q, marker, k_cache, v_cache, page_table, plan, scale)
     if validate and not capturing():
         _check_values(marker, k_cache, page_table)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -235,17 +233,19 @@ def varlen_attention_reference(q: torch.Tensor, marker: torch.Tensor, k_cache: t
         ValueError: as ``varlen_attention``, or a plan that does not fit q and the caches.
     """
     _check_shapes(q, marker, k_cache, v_cache, page_table)
-    if plan is None and q.shape[0]:
-        plan = plan_varlen(marker, q.shape[1] // k_cache.shape[2], k_cache, page_table)
-    return _attend(q, k_cache, v_cache, plan, scale)
+    return _attend(q, marker, k_cache, v_cache, page_table, plan, scale)
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            plan: VarlenPlan | None, scale: float | None) -> torch.Tensor:
+def _attend(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            page_table: torch.Tensor, plan: VarlenPlan | None,
+            scale: float | None) -> torch.Tensor:
+    """The reference after the shape checks (so the dispatcher does them once)."""
     t, hq, d = q.shape
     page_size, hkv = k_cache.shape[1], k_cache.shape[2]
     if t == 0:
         return q.new_empty(q.shape)
+    if plan is None:
+        plan = plan_varlen(marker, hq // hkv, k_cache, page_table)
     g, mq, length = plan.groups, plan.max_q, plan.kv_len
     r, n_pages = plan.row_pages.shape
     if g * hkv != hq or n_pages * page_size < length or t != plan.num_tokens:
