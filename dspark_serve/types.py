@@ -37,6 +37,11 @@ class SamplingTensors:
             min_p=torch.full((n,), float(min_p), dtype=torch.float32, device=device),
         )
 
+    def select(self, rows: torch.Tensor) -> "SamplingTensors":
+        """The rows ``rows`` ([n] int64 indices or [R] bool mask), in that order."""
+        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                               self.min_p[rows])
+
     def repeat_interleave(self, k: int) -> "SamplingTensors":
         """Each row repeated ``k`` times (one row per block position)."""
         return SamplingTensors(*(t.repeat_interleave(k, dim=0) for t in

@@ -33,7 +33,7 @@ import torch
 from dspark_serve.engine.config import DTYPES, QUANTIZATIONS, SCHEDULERS, EngineConfig
 from dspark_serve.engine.params import SamplingParams
 
-MODES = ("none", "dspark", "dflash")
+MODES = ("none", "ngram", "dspark", "hybrid", "dflash")
 DEFAULT_CONCURRENCY = (1, 4, 16)
 PHASES = {"_propose": "draft+schedule", "_verify": "verify"}
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_MODES = ("none", "dflash", "dspark")
+SPECULATIVE_MODES = ("none", "dflash", "dspark", "ngram", "hybrid")
+# modes that run the drafter / prompt lookup
+DRAFTER_MODES = ("dflash", "dspark", "hybrid")
+LOOKUP_MODES = ("ngram", "hybrid")
 SCHEDULERS = ("algorithm1", "async", "static", "threshold")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int4")
@@ -16,8 +19,10 @@ class EngineConfig:
     model: HF folder of the target (Llama / Qwen2 / Qwen3 family); None = the default
         SmolLM2-135M-Instruct, converted once from its GGUF file and cached.
     draft: DeepSpec or DFlash drafter checkpoint folder; None = the default drafter.
-    speculative: "none" (plain decoding), "dflash" (parallel backbone only, fixed gamma) or
-        "dspark" (backbone + sequential head + confidence head + scheduler).
+    speculative: "none" (plain decoding), "dflash" (parallel backbone only, fixed gamma),
+        "dspark" (backbone + sequential head + confidence head + scheduler), "ngram" (prompt
+        lookup alone) or "hybrid" (prompt lookup where it matches at least
+        ``lookup_min_match`` tokens, the DSpark drafter otherwise; one scheduled pool).
     scheduler: verify-length scheduler, "algorithm1" (paper Algorithm 1), "async" (Section 5.2),
         "static" (verify the whole block) or "threshold" (static confidence threshold).
     gamma: block size (draft tokens per round); None = the drafter's trained block size.
@@ -44,6 +49,9 @@ class EngineConfig:
     max_batch_tokens: most target tokens per step (prefill chunks + verify budget B);
         None = the cost table's ``max_batch_tokens``.
     prefill_chunk: most prompt tokens of one request prefilled in one step.
+    lookup_min_match: hybrid: shortest suffix match that prompt lookup drafts a row with.
+    lookup_calibration: prompt-lookup survival table JSON (``calibration.lookup``); None =
+        the table shipped for the target, if any.
 
     Raises:
         ValueError: a field is out of range or names an unknown mode.
@@ -65,6 +73,8 @@ class EngineConfig:
     threshold: float = 0.5
     max_batch_tokens: int | None = None
     prefill_chunk: int = 256
+    lookup_min_match: int = 3
+    lookup_calibration: str | None = None
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("speculative", self.speculative, SPECULATIVE_MODES),
@@ -73,7 +83,8 @@ class EngineConfig:
                                      ("quantization", self.quantization, QUANTIZATIONS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-        for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "gamma", "max_batch_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "gamma", "max_batch_tokens",
+                     "lookup_min_match"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):

@@ -24,20 +24,20 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.calibration.lookup import LookupCalibration
 from dspark_serve.engine.batch import StepPlan, plan_step
 from dspark_serve.engine.commit import commit_tokens
-from dspark_serve.engine.config import EngineConfig
+from dspark_serve.engine.config import DRAFTER_MODES, LOOKUP_MODES, EngineConfig
 from dspark_serve.engine.detokenizer import IncrementalDetokenizer
 from dspark_serve.engine.outputs import RequestFailed, RequestOutput, StepStats
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.engine.penalties import apply_penalties, block_history_counts
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_state import penalty_state, replay_seeded, sampling_tensors
-from dspark_serve.engine.speculator import Speculator
+from dspark_serve.engine.speculator import LookupConfig, Speculator
 from dspark_serve.engine.target_model import TargetModel
 from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.sampling.warping import warp_probs
-from dspark_serve.types import SamplingTensors
 from dspark_serve.verify.rejection import rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig, AutoTokenizer
 
-        from dspark_serve.models.default_drafter import build_drafter, drafter_source
+        from dspark_serve.models.default_drafter import LOOKUP_GAMMA, build_drafter, drafter_source
         from dspark_serve.models.default_model import MODEL_NAME, default_model_path
 
         self.config = config
@@ -70,10 +70,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len,
                                  getattr(hf_config, "max_position_embeddings", None) or 1 << 30)
         draft_path = draft_config = None
-        if config.speculative != "none":
+        if config.speculative in DRAFTER_MODES:
             mask_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-            draft_path, draft_config = drafter_source(hf_config, config.speculative,
-                                                      self.model_name, mask_id, config.draft)
+            kind = "dspark" if config.speculative == "hybrid" else config.speculative
+            draft_path, draft_config = drafter_source(hf_config, kind, self.model_name, mask_id,
+                                                      config.draft)
         taps = draft_config.target_layer_ids if draft_config else ()
         self.target = TargetModel.from_pretrained(path, dtype=config.dtype, target_layer_ids=taps,
                                                   quantization=config.quantization)
@@ -83,13 +84,18 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.speculator: Speculator | None = None
         self.gamma = 0
-        if draft_config is not None:
-            drafter = build_drafter(self.target, draft_path, draft_config, seed=config.seed)
-            self.gamma = config.gamma or drafter.gamma
+        if config.speculative != "none":
+            drafter = (build_drafter(self.target, draft_path, draft_config, seed=config.seed)
+                       if draft_config is not None else None)
+            lookup = (LookupConfig(min_match=config.lookup_min_match,
+                                   calibration=self._lookup_calibration())
+                      if config.speculative in LOOKUP_MODES else None)
+            self.gamma = config.gamma or (drafter.gamma if drafter else LOOKUP_GAMMA)
             scheduler = "static" if config.speculative == "dflash" else config.scheduler
             self.speculator = Speculator(
-                drafter, gamma=self.gamma, scheduler=scheduler,
-                cost_table=self._cost_table(scheduler), temperatures=self._sts(draft_path),
+                drafter, lookup=lookup, vocab_size=self.vocab_size, gamma=self.gamma,
+                scheduler=scheduler, cost_table=self._cost_table(scheduler),
+                temperatures=self._sts(draft_path) if drafter else None,
                 threshold=config.threshold, max_batch_tokens=config.max_batch_tokens,
                 num_slots=config.max_num_seqs, max_len=self.max_model_len,
                 always_draft=config.always_draft)
@@ -216,11 +222,13 @@ class LLMEngine:
                                         self.max_model_len - r.num_tokens - 1)) for r in reqs],
                             dtype=torch.int64, device=d)
         gens = [r.generator or self.generator for r in reqs]
+        drafter = self.speculator.drafter
         plan.block, lengths = self.speculator.propose(
             torch.tensor([r.slot for r in reqs], device=d),
             torch.tensor([r.anchor for r in reqs], device=d),
             torch.tensor([r.num_tokens - 1 for r in reqs], device=d),
-            sampling_tensors(reqs, d), draw_uniforms(gens, self.speculator.drafter.gamma, d), caps)
+            [r.prompt_ids + r.output_ids for r in reqs], sampling_tensors(reqs, d),
+            draw_uniforms(gens, drafter.gamma if drafter else 0, d), caps)
         plan.lengths = lengths.cpu()
         plan.gamma = self.gamma
 
@@ -235,7 +243,7 @@ class LLMEngine:
         if state is not None:
             history = block_history_counts(drafts, lengths, self.vocab_size) if g else None
             logits = apply_penalties(logits, rows, state, history)
-        probs = warp_probs(logits, _index_rows(sampling_tensors(reqs, d), rows))
+        probs = warp_probs(logits, sampling_tensors(reqs, d).select(rows))
         cols = torch.arange(rows.numel(), device=d) - torch.repeat_interleave(
             torch.cumsum(lengths + 1, 0) - (lengths + 1), lengths + 1)
         target_probs = probs.new_zeros(len(reqs), g + 1, self.vocab_size)
@@ -299,6 +307,12 @@ class LLMEngine:
                                   context_len=min(256, self.max_model_len // 2),
                                   meta={"model": self.model_name})
 
+    def _lookup_calibration(self) -> LookupCalibration | None:
+        from dspark_serve.models.default_drafter import shipped_lookup_calibration
+
+        path = self.config.lookup_calibration or shipped_lookup_calibration(self.model_name)
+        return LookupCalibration.load(path) if path else None
+
     def _sts(self, draft_path: str | None):
         from dspark_serve.calibration.io import load_sts_calibration
 
@@ -316,10 +330,6 @@ def _eos_ids(tokenizer, hf_config) -> set[int]:
     eos = getattr(hf_config, "eos_token_id", None)
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return {int(i) for i in ids if i is not None}
-
-
-def _index_rows(s: SamplingTensors, rows: torch.Tensor) -> SamplingTensors:
-    return SamplingTensors(s.temperature[rows], s.top_k[rows], s.top_p[rows], s.min_p[rows])
 
 
 class _ContextUpdates:

@@ -1,33 +1,65 @@
 """Drafting, calibration and verify-length scheduling for the decoding requests of one step
-(paper Eq 2-7, STS, Algorithm 1 / Section 5.2).
+(paper Eq 2-7, STS, Algorithm 1 / Section 5.2), with prompt lookup beside the drafter.
 
-The speculator owns the drafter's context cache (one slot per target KV slot) and the
-scheduler. Committed tokens' target taps are projected into that cache lazily, in one batch
-right before the next draft: steps that do not draft (the async scheduler found drafting not
-worth it) then cost no drafter work at all. Each step: draft a block per decoding request,
-turn confidence logits into calibrated conditional survival c_{r,k} = sigmoid(z_{r,k} / T_k),
-and let the scheduler pick l_r. Per-request caps (remaining max_tokens, the context limit) are applied by zeroing the
-survival of slots past the cap before scheduling and clamping after it; both depend only on
-the request's state, never on its drafted tokens, so verification stays lossless.
+Proposers: the DSpark/DFlash drafter, prompt lookup (``drafter.prompt_lookup``: drafts copied
+from earlier in the request's own text, one-hot draft probabilities), or both (hybrid): per
+request and round, lookup where it finds a suffix match of at least ``min_match`` tokens, the
+drafter otherwise, so the drafter only runs for the rows lookup cannot serve. Every row gets
+calibrated conditional survival c_{r,k}: the drafter's from its confidence head through STS,
+c = sigmoid(z_k / T_k), a lookup row's from its match length (``calibration.lookup``), and the
+scheduler picks l_r over the one pool.
+
+The speculator owns the drafter's context cache (one slot per target KV slot). Committed
+tokens' target taps are projected into that cache lazily, in one batch right before the next
+draft: steps that do not draft (the async scheduler found drafting not worth it) then cost no
+drafter work at all. Per-request caps (remaining max_tokens, the context limit, the number of
+lookup tokens found) are applied by zeroing the survival of slots past the cap before
+scheduling and clamping after it; they depend only on the request's state and text, never on
+drafted tokens still to be verified, so verification stays lossless.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from dspark_serve.calibration.lookup import LookupCalibration
 from dspark_serve.calibration.sts import calibrated_confidence
 from dspark_serve.drafter.model import DSparkDrafter
+from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, prompt_lookup
 from dspark_serve.scheduling import make_scheduler
 from dspark_serve.scheduling.cost_table import CostTable
 from dspark_serve.types import DraftBlock, SamplingTensors
 
+# Survival of a lookup draft without a calibration file: a guess between the measured
+# position-1 acceptance of SmolLM2 lookup (0.53) and later positions (0.85-0.93).
+UNCALIBRATED_LOOKUP_SURVIVAL = 0.7
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Prompt lookup inside the speculator.
+
+    max_ngram: longest suffix compared. min_match: with a drafter (hybrid), shortest match
+    that lookup takes over a row (shorter: the drafter drafts it); alone, any match drafts.
+    calibration: survival table, or None (``UNCALIBRATED_LOOKUP_SURVIVAL`` everywhere).
+    """
+
+    max_ngram: int = DEFAULT_MAX_NGRAM
+    min_match: int = 3
+    calibration: LookupCalibration | None = None
+
 
 class Speculator:
-    """Drafter + calibration + scheduler.
+    """Proposers (drafter, prompt lookup or both) + calibration + scheduler.
 
     Args:
-        drafter: the drafter (its block gives up to ``drafter.gamma`` draft tokens).
+        drafter: the drafter (its block gives up to ``drafter.gamma`` draft tokens), or None
+            for prompt lookup alone.
+        lookup: ``LookupConfig`` to propose by prompt lookup (alone or hybrid), or None.
+        vocab_size: V of the target (draft probabilities are [R, gamma, V]).
         gamma: draft tokens used per round, 1..drafter.gamma.
         scheduler: scheduler name (``dspark_serve.scheduling.SCHEDULER_NAMES``).
         cost_table: SPS cost table (algorithm1 / async).
@@ -37,25 +69,36 @@ class Speculator:
         num_slots, max_len: size of the drafter's context cache.
         always_draft: draft every step (``should_draft`` always True).
     Raises:
-        ValueError: gamma out of range, temperatures of the wrong length, scheduler errors.
+        ValueError: neither proposer, gamma out of range, temperatures of the wrong length,
+            scheduler errors.
     """
 
-    def __init__(self, drafter: DSparkDrafter, *, gamma: int, scheduler: str,
-                 cost_table: CostTable | None, temperatures: torch.Tensor | None,
-                 threshold: float, max_batch_tokens: int | None, num_slots: int, max_len: int,
+    def __init__(self, drafter: DSparkDrafter | None, *, lookup: LookupConfig | None = None,
+                 vocab_size: int, gamma: int, scheduler: str, cost_table: CostTable | None,
+                 temperatures: torch.Tensor | None, threshold: float,
+                 max_batch_tokens: int | None, num_slots: int, max_len: int,
                  always_draft: bool = False):
-        if not 1 <= gamma <= drafter.gamma:
-            raise ValueError(f"gamma must be in 1..{drafter.gamma} (the drafter's block), got {gamma}")
+        if drafter is None and lookup is None:
+            raise ValueError("a speculator needs a drafter, prompt lookup or both")
+        max_gamma = drafter.gamma if drafter is not None else gamma
+        if not 1 <= gamma <= max_gamma:
+            raise ValueError(f"gamma must be in 1..{max_gamma} (the drafter's block), got {gamma}")
         if temperatures is not None and temperatures.shape != (gamma,):
             raise ValueError(f"STS calibration has {temperatures.numel()} temperatures, gamma is "
                              f"{gamma}")
+        if lookup is not None and lookup.calibration is not None \
+                and lookup.calibration.gamma < gamma:
+            raise ValueError(f"lookup calibration covers {lookup.calibration.gamma} positions, "
+                             f"gamma is {gamma}")
         self.drafter = drafter
+        self.lookup = lookup
+        self.vocab_size = vocab_size
         self.gamma = gamma
-        self.has_confidence = drafter.confidence_head is not None
+        self.has_confidence = drafter is not None and drafter.confidence_head is not None
         self.temperatures = temperatures
         self.scheduler = make_scheduler(scheduler, gamma=gamma, cost_table=cost_table,
                                         threshold=threshold, max_batch_tokens=max_batch_tokens)
-        self.cache = drafter.new_cache(num_slots, max_len)
+        self.cache = drafter.new_cache(num_slots, max_len) if drafter is not None else None
         self.always_draft = always_draft
         # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -70,6 +113,8 @@ class Speculator:
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's context, pending taps included (a new request takes it)."""
+        if self.cache is None:
+            return
         pending, self._pending = self._pending, []
         for slots, positions, taps in pending:
             keep = slots != slot
@@ -79,8 +124,8 @@ class Speculator:
 
     def extend(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
         """Add committed tokens' target taps ([N] slots, [N] positions, [N, C]) to the
-        context (projected at the next ``propose``, or ``flush``)."""
-        if slots.numel():
+        context (projected at the next ``propose``, or ``flush``); nothing without a drafter."""
+        if self.cache is not None and slots.numel():
             self._pending.append((slots, positions, taps))
 
     def flush(self) -> None:
@@ -91,34 +136,74 @@ class Speculator:
             self.drafter.extend_context(self.cache, slots, positions, taps)
 
     def propose(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
-                sampling: SamplingTensors, uniforms: torch.Tensor,
+                texts: list[list[int]], sampling: SamplingTensors, uniforms: torch.Tensor,
                 caps: torch.Tensor) -> tuple[DraftBlock, torch.Tensor]:
         """Draft and schedule one round for R requests.
 
         Args:
             slots, anchors, anchor_positions: [R] int64.
+            texts: per request its token ids so far (prompt + output; the last is the anchor),
+                read by prompt lookup.
             sampling: R rows of warping parameters (same as the verifier's).
-            uniforms: [R, drafter.gamma] float32 draft uniforms.
+            uniforms: [R, drafter gamma (or gamma)] float32 draft uniforms.
             caps: [R] int64 most draft tokens each request may verify (0..gamma).
         Returns:
-            (block truncated to gamma, lengths [R] int64 l_r in 0..caps[r]).
+            (block: tokens [R, gamma] int64, probs [R, gamma, V] float32, conf_logits
+            [R, gamma] float32; lengths [R] int64 l_r in 0..caps[r]).
         """
         self.flush()   # catching up on skipped steps is not this draft's cost
         start = time.perf_counter()
-        block = self.drafter.draft(self.cache, slots, anchors, anchor_positions, sampling, uniforms)
+        r, g, device = slots.numel(), self.gamma, slots.device
+        tokens = torch.zeros(r, g, dtype=torch.int64, device=device)
+        probs = torch.zeros(r, g, self.vocab_size, dtype=torch.float32, device=device)
+        conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
+        confidence = torch.ones(r, g, dtype=torch.float32, device=device)
+        by_drafter = torch.ones(r, dtype=torch.bool, device=device)
+        if self.lookup is not None:
+            found, match_len = self._lookup(texts, tokens)
+            by_drafter = match_len < (self.lookup.min_match if self.drafter is not None else 1)
+            taken = ~by_drafter
+            probs[taken] = probs[taken].scatter_(2, tokens[taken, :, None], 1.0)
+            confidence = self._lookup_confidence(match_len) * taken[:, None]
+            caps = torch.where(taken, torch.minimum(caps, found), caps)
+        rows = by_drafter.nonzero().flatten()
+        if self.drafter is not None and rows.numel():
+            block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
+                                       anchor_positions[rows], sampling.select(rows),
+                                       uniforms[rows])
+            tokens[rows], probs[rows] = block.tokens[:, :g], block.probs[:, :g]
+            conf_logits[rows] = block.conf_logits[:, :g]
+            if self.has_confidence:
+                temps = (self.temperatures if self.temperatures is not None
+                         else torch.ones(g, device=device))
+                confidence[rows] = calibrated_confidence(conf_logits[rows], temps)
         observe = getattr(self.scheduler, "observe_draft", None)
         if observe is not None:
-            if block.tokens.is_cuda:
-                torch.cuda.synchronize(block.tokens.device)
-            observe(int(slots.numel()), time.perf_counter() - start)
-        g = self.gamma
-        block = DraftBlock(block.tokens[:, :g], block.probs[:, :g], block.conf_logits[:, :g])
-        if self.has_confidence:
-            temps = (self.temperatures if self.temperatures is not None
-                     else torch.ones(g, device=block.conf_logits.device))
-            confidence = calibrated_confidence(block.conf_logits, temps)
-        else:
-            confidence = torch.ones_like(block.conf_logits)
+            if tokens.is_cuda:
+                torch.cuda.synchronize(device)
+            observe(r, time.perf_counter() - start)
         allowed = torch.arange(g, device=caps.device)[None, :] < caps[:, None]
         lengths = self.scheduler(confidence * allowed)
-        return block, torch.minimum(lengths, caps)
+        return DraftBlock(tokens, probs, conf_logits), torch.minimum(lengths, caps)
+
+    def _lookup(self, texts: list[list[int]],
+                tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt lookup for every row: fills ``tokens`` [R, gamma] where a match drafts;
+        returns (tokens found [R] int64, match length [R] int64, 0 = none)."""
+        found, match_len = [], []
+        for i, text in enumerate(texts):
+            draft = prompt_lookup(np.asarray(text, dtype=np.int64), self.gamma,
+                                  self.lookup.max_ngram)
+            if draft.tokens:
+                tokens[i, :len(draft.tokens)] = torch.tensor(draft.tokens)
+            found.append(len(draft.tokens))
+            match_len.append(draft.match_len)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=tokens.device)
+        return as_tensor(found), as_tensor(match_len)
+
+    def _lookup_confidence(self, match_len: torch.Tensor) -> torch.Tensor:
+        cal = self.lookup.calibration
+        if cal is None:
+            return torch.full((match_len.numel(), self.gamma), UNCALIBRATED_LOOKUP_SURVIVAL,
+                              device=match_len.device) * (match_len > 0)[:, None]
+        return cal.confidence(match_len, self.gamma)

@@ -1,10 +1,16 @@
-"""``dspark-serve calibrate``: fit STS temperatures (paper Section 3.2.1) for a trained drafter.
+"""``dspark-serve calibrate``: fit STS temperatures (paper Section 3.2.1) for a trained drafter,
+or (``--kind ngram``) the prompt-lookup survival table (``calibration.lookup``).
 
-Runs drafter + target rounds on held-out ShareGPT prompts (the ``heldout`` list of a
+DSpark: runs drafter + target rounds on held-out ShareGPT prompts (the ``heldout`` list of a
 ``gen-data`` folder, never trained on) at the serving temperature with full-gamma verification
 (static), labels each round with its real rejection-sampling outcome (prefix survival), fits
 the per-position temperatures and writes ``sts_calibration.json`` beside the drafter (the
 engine loads it automatically) plus a reliability diagram PNG (raw vs STS).
+
+Prompt lookup: the target answers ShareGPT prompts greedily (from the end of the set, which
+``gen-data`` splits never reach), lookup rounds are replayed on those outputs
+(``eval.lookup_rounds``: exact at temperature 0) and the table is written to the target's
+shipped ``ngram/lookup_calibration.json`` (or ``--out``).
 """
 from __future__ import annotations
 
@@ -15,8 +21,10 @@ from pathlib import Path
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="fit STS calibration on held-out prompts",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--draft", required=True, help="trained DSpark drafter folder")
-    p.add_argument("--data", required=True, help="gen-data folder (its held-out prompts)")
+    p.add_argument("--kind", choices=("dspark", "ngram"), default="dspark",
+                   help="what to calibrate: the drafter's STS or prompt lookup")
+    p.add_argument("--draft", default=None, help="trained DSpark drafter folder (dspark)")
+    p.add_argument("--data", default=None, help="gen-data folder (its held-out prompts; dspark)")
     p.add_argument("--model", default=None,
                    help="target HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--num-prompts", type=int, default=200, help="held-out prompts used")
@@ -49,6 +57,10 @@ def heldout_prompts(data: str, limit: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kind == "ngram":
+        return run_lookup(args)
+    if not args.draft or not args.data:
+        raise SystemExit("dspark-serve calibrate: --draft and --data are required for dspark")
     import torch
 
     from dspark_serve.calibration import (fit_calibration, prefix_survival_labels,
@@ -85,4 +97,44 @@ def run(args: argparse.Namespace) -> int:
     print(f"rounds {cal.num_samples}, temperatures {[round(t, 3) for t in cal.temperatures]}")
     print(f"mean ECE {100 * mean(cal.ece_before):.2f}% -> {100 * mean(cal.ece_after):.2f}%")
     print(f"wrote {out} and {png}")
+    return 0
+
+
+def run_lookup(args: argparse.Namespace) -> int:
+    """``--kind ngram``: fit and write the prompt-lookup survival table."""
+    import numpy as np
+
+    from dspark_serve.calibration.lookup import FILE_NAME, fit_lookup_calibration
+    from dspark_serve.data.prompt_sets import load_prompts
+    from dspark_serve.engine.config import EngineConfig
+    from dspark_serve.engine.llm_engine import LLMEngine
+    from dspark_serve.engine.params import SamplingParams
+    from dspark_serve.eval.engine_runs import run_prompts
+    from dspark_serve.eval.loading import chat_prompts
+    from dspark_serve.eval.lookup_rounds import greedy_lookup_rounds
+    from dspark_serve.models.default_drafter import LOOKUP_GAMMA, SHIPPED_DIR
+
+    engine = LLMEngine(EngineConfig(model=args.model, speculative="none", dtype=args.dtype,
+                                    max_num_seqs=args.batch_size, seed=args.seed))
+    texts = load_prompts("sharegpt")[-args.num_prompts:]
+    prompts = [p for p in chat_prompts(engine.tokenizer, texts)
+               if len(p) + args.max_new_tokens < engine.max_model_len]
+    outputs = run_prompts(engine, prompts, SamplingParams(temperature=0.0,
+                                                          max_tokens=args.max_new_tokens))
+    rounds = [greedy_lookup_rounds(p, o.token_ids, LOOKUP_GAMMA) for p, o in zip(prompts, outputs)]
+    m, d, a = (np.concatenate([np.asarray(r[i], dtype=np.int64) for r in rounds])
+               for i in range(3))
+    hit = m > 0
+    cal = fit_lookup_calibration(m[hit], d[hit], a[hit], LOOKUP_GAMMA, max_match=8,
+                                 dataset=f"sharegpt last {len(prompts)} prompts, greedy, "
+                                         f"{args.max_new_tokens} tokens")
+    out = Path(args.out or SHIPPED_DIR / engine.model_name / "ngram" / FILE_NAME)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cal.save(out)
+    print(f"rounds {m.size} ({int(hit.sum())} with a match), tau {(a.sum() + m.size) / m.size:.3f}, "
+          f"position-1 acceptance {float((a[hit] > 0).mean()):.3f} where matched")
+    for length, row in enumerate(cal.conditional, 1):
+        print(f"match {length}{'+' if length == len(cal.conditional) else ' '}: "
+              + " ".join(f"{c:.2f}" for c in row))
+    print(f"wrote {out}")
     return 0

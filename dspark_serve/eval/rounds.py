@@ -42,10 +42,6 @@ class Rounds:
     generated: int
 
 
-def _rows(s: SamplingTensors, rows: torch.Tensor) -> SamplingTensors:
-    return SamplingTensors(s.temperature[rows], s.top_k[rows], s.top_p[rows], s.min_p[rows])
-
-
 @torch.inference_mode()
 def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[int]], *,
                gamma: int | None = None, temperature: float = 0.0, top_p: float = 1.0,
@@ -100,7 +96,7 @@ def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[i
         while bool(active.any()):
             rows = all_rows[active]
             r = rows.numel()
-            s_rows = _rows(sampling, rows)
+            s_rows = sampling.select(rows)
             u = uniforms(rows, drafter.gamma + gamma + 1)
             block = drafter.draft(cache, slots[rows], anchor[rows], anchor_pos[rows], s_rows,
                                   u[:, :drafter.gamma].contiguous())

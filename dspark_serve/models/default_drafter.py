@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.calibration.lookup import FILE_NAME as LOOKUP_FILE_NAME
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
 from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.model import DSparkDrafter
@@ -27,6 +28,14 @@ NUM_DRAFT_LAYERS = 2
 BLOCK_SIZE = 7
 MARKOV_RANK = 64
 NUM_TAPS = 5
+# Prompt lookup alone drafts as many tokens per round as the default drafter's block.
+LOOKUP_GAMMA = BLOCK_SIZE
+
+
+def shipped_lookup_calibration(model_name: str) -> Path | None:
+    """The prompt-lookup survival table shipped for a target (``<target>/ngram/``), if any."""
+    path = SHIPPED_DIR / model_name / "ngram" / LOOKUP_FILE_NAME
+    return path if path.is_file() else None
 
 
 def shipped_drafter_path(model_name: str, kind: str) -> Path | None:

@@ -26,7 +26,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    "drafter")
     p.add_argument("--speculative", choices=SPECULATIVE_MODES, default=_DEFAULTS["speculative"],
                    help="none: plain decoding; dflash: parallel backbone, fixed gamma; "
-                        "dspark: full DSpark (default)")
+                        "dspark: full DSpark; ngram: prompt lookup alone; hybrid: prompt "
+                        "lookup where the text repeats, DSpark elsewhere, one scheduled pool "
+                        "(default: %(default)s)")
     p.add_argument("--scheduler", choices=SCHEDULERS, default=_DEFAULTS["scheduler"],
                    help="verify-length scheduler (default: %(default)s)")
     p.add_argument("--gamma", type=int, help="block size; default: the drafter's")
@@ -34,6 +36,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="survival cut-off of the threshold scheduler (default: %(default)s)")
     p.add_argument("--cost-table", help="SPS cost table JSON; default: profile at startup")
     p.add_argument("--calibration", help="STS calibration JSON; default: the drafter's")
+    p.add_argument("--lookup-calibration",
+                   help="prompt-lookup survival JSON (ngram, hybrid); default: the target's")
+    p.add_argument("--lookup-min-match", type=int, default=_DEFAULTS["lookup_min_match"],
+                   help="hybrid: shortest suffix match prompt lookup drafts with "
+                        "(default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
                    help="context limit per request in tokens (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
@@ -74,7 +81,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         calibration=args.calibration, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
-        threshold=args.threshold)
+        threshold=args.threshold, lookup_calibration=args.lookup_calibration,
+        lookup_min_match=args.lookup_min_match)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -69,7 +69,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 def test_cli_defaults_and_bad_values():
     args = _parse(["bench", "serving"])
-    assert (args.modes, args.concurrency, args.max_tokens) == (["none", "dspark", "dflash"],
+    assert (args.modes, args.concurrency, args.max_tokens) == (["none", "ngram", "dspark", "hybrid", "dflash"],
                                                                [1, 4, 16], 64)
     with pytest.raises(SystemExit):
         _parse(["bench", "serving", "--concurrency", "0"])

@@ -68,6 +68,22 @@ def test_greedy_oracle_drafter_equals_plain(mode, engine_for, generate, mtbench_
     assert any(max(c.deltas) > 2 for c in out.values())
 
 
+@pytest.mark.parametrize("mode", [("ngram", "static"), ("ngram", "async"),
+                                  ("hybrid", "algorithm1")], ids=lambda m: "-".join(m))
+def test_greedy_prompt_lookup_modes_equal_plain(mode, engine_for, generate, mtbench_prompts,
+                                                 greedy_reference):
+    """Prompt lookup alone and hybrid (lookup where a >= 3-token match exists, the shipped
+    drafter elsewhere): greedy output unchanged, drafts verified and some accepted."""
+    engine = engine_for(*mode)
+    steps = []
+    out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0,
+                                                           max_tokens=REF_TOKENS), steps)
+    for rid, ref in greedy_reference.items():
+        assert out[rid].token_ids == ref.token_ids, rid
+    assert sum(s.verify_tokens for s in steps) > sum(s.rounds for s in steps) > 0
+    assert sum(s.accepted_tokens for s in steps) > 0
+
+
 def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
                                         greedy_reference, monkeypatch):
     """Drafting that costs more than it can gain (10 s per draft against COST_TABLE's

@@ -20,6 +20,8 @@ import torch
 from scipy import stats
 
 import dspark_serve.engine.llm_engine as llm_engine
+import dspark_serve.engine.speculator as speculator_module
+from dspark_serve.drafter.prompt_lookup import LookupDraft
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
 from dspark_serve.types import VerifyResult
@@ -35,12 +37,14 @@ P_MIN = 1e-3
 PARAMS = SamplingParams(temperature=1.0, top_k=TOP_K, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
+SIZES = dict(max_num_seqs=128, max_model_len=16)
+
+
 @pytest.fixture(scope="module")
 def engines(make_engine):
     """(plain, dspark) engines: gamma 2, every draft verified (static scheduler)."""
-    sizes = dict(max_num_seqs=128, max_model_len=16)
-    return (make_engine(speculative="none", **sizes),
-            make_engine(speculative="dspark", scheduler="static", gamma=2, **sizes))
+    return (make_engine(speculative="none", **SIZES),
+            make_engine(speculative="dspark", scheduler="static", gamma=2, **SIZES))
 
 
 @pytest.fixture(scope="module")
@@ -191,3 +195,43 @@ def test_broken_verifier_is_detected(engines, generate, prompt_ids, conditionals
                         _resample_from_target(llm_engine.rejection_sample))
     samples, _ = draw(engine, generate, prompt_ids, NUM_SAMPLES)
     assert goodness_of_fit(samples, exact, bins) < P_MIN
+
+
+def greedy_lookup(conditionals, prompt_len: int, every: int):
+    """A stand-in for prompt lookup on this short prompt (which repeats nothing): for outputs
+    whose length is a multiple of ``every`` it drafts the target's top-1 chain (a
+    deterministic function of the text, as lookup is; match length 3), else no match. Drafts
+    are one-hot, so they are accepted with probability p_target(x)."""
+    def lookup(text, num_tokens, max_ngram=0, min_ngram=1):
+        prefix = tuple(text[prompt_len:].tolist())
+        if len(prefix) % every:
+            return LookupDraft([], 0)
+        tokens = []
+        for _ in range(num_tokens):
+            row = conditionals.get(prefix)
+            tokens.append(int(row.argmax()) if row is not None else 0)
+            prefix += (tokens[-1],)
+        return LookupDraft(tokens, 3)
+    return lookup
+
+
+@pytest.mark.parametrize("mode, every", [("ngram", 1), ("hybrid", 2)])
+def test_prompt_lookup_and_hybrid_sampling_match_plain(mode, every, make_engine, engines,
+                                                       generate, prompt_ids, conditionals,
+                                                       exact, bins, plain_samples,
+                                                       distribution_oracle, use_oracle,
+                                                       monkeypatch):
+    """One-hot lookup drafts (ngram), and lookup rows next to drafter rows in one scheduled
+    batch (hybrid: lookup after outputs of even length, the oracle drafter otherwise)."""
+    engine = make_engine(speculative=mode, scheduler="static", gamma=2, **SIZES)
+    monkeypatch.setattr(speculator_module, "prompt_lookup",
+                        greedy_lookup(conditionals, len(prompt_ids), every))
+    if mode == "hybrid":
+        use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
+                                                                          engine.vocab_size),
+                                               seed=7))
+    samples, tau = draw(engine, generate, prompt_ids, NUM_SAMPLES)
+    assert 1.1 < tau < 2.9, tau
+    assert goodness_of_fit(samples, exact, bins) > P_MIN
+    table = np.stack([histogram(samples, bins), histogram(plain_samples, bins)])
+    assert stats.chi2_contingency(table).pvalue > P_MIN

@@ -192,3 +192,58 @@ def test_check_rejects_anticipating_scheduler():
     tokens = speculative_decode(
         models, lambda c: torch.where(c[:, 1] > high, GAMMA, 0), seed=8)
     assert joint_p_value(tokens, models.target_joint()) < 1e-12
+
+
+# ---- proposers beside the drafter: pruned draft vocabulary, prompt lookup, hybrid pool ----
+
+LOOKUP_SURVIVAL = 0.8   # a calibrated-looking lookup survival, deliberately not the exact one
+
+
+def _proposer_models(seed: int, lookup_rows: range, pruned: bool) -> ToyModels:
+    """ToyModels whose draft after prev in ``lookup_rows`` is prompt lookup's: a one-hot at a
+    token fixed by the context ((prev + 1) % VOCAB), survival LOOKUP_SURVIVAL; other rows
+    are the drafter's, with ``pruned`` its draft vocabulary lacking the last token (the
+    target keeps mass there, which only the residual can emit)."""
+    models = ToyModels(SamplingTensors.uniform(VOCAB, temperature=1.0), seed=seed)
+    if pruned:
+        models.draft[:, -1] = 0.0
+        models.draft /= models.draft.sum(-1, keepdim=True)
+        models.confidence = torch.minimum(models.target, models.draft).sum(-1)
+    for prev in lookup_rows:
+        models.draft[prev] = torch.nn.functional.one_hot(torch.tensor((prev + 1) % VOCAB),
+                                                         VOCAB).float()
+        models.confidence[prev] = LOOKUP_SURVIVAL
+    return models
+
+
+@pytest.mark.lossless
+def test_lossless_with_pruned_draft_vocabulary():
+    models = _proposer_models(seed=9, lookup_rows=range(0), pruned=True)
+    assert float(models.target[:, -1].min()) > 0.01        # target mass outside the draft vocab
+    schedule, seen = _recording(make_scheduler("algorithm1", gamma=GAMMA, cost_table=COST_TABLE))
+    tokens = speculative_decode(models, schedule, seed=10)
+    assert joint_p_value(tokens, models.target_joint()) > P_VALUE_FLOOR
+    assert (seen > 0).sum() >= 3, seen.tolist()
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("name", ["static", "async"])
+def test_lossless_with_prompt_lookup_drafts(name):
+    """Every draft one-hot (lookup alone): accepted with probability p_t(x)."""
+    models = _proposer_models(seed=11, lookup_rows=range(VOCAB), pruned=False)
+    schedule, seen = _recording(make_scheduler(name, gamma=GAMMA, cost_table=COST_TABLE))
+    tokens = speculative_decode(models, schedule, seed=12)
+    assert joint_p_value(tokens, models.target_joint()) > P_VALUE_FLOOR
+    assert seen[1:].sum() > 0, seen.tolist()
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("name", ["algorithm1", "async"])
+def test_lossless_with_hybrid_survival_pool(name):
+    """Hybrid: lookup rows (one-hot, fixed survival) and pruned-vocabulary drafter rows
+    (exact overlap survival) ranked in one pool by a cost-aware scheduler (Appendix A)."""
+    models = _proposer_models(seed=13, lookup_rows=range(VOCAB // 2), pruned=True)
+    schedule, seen = _recording(make_scheduler(name, gamma=GAMMA, cost_table=COST_TABLE))
+    tokens = speculative_decode(models, schedule, seed=14)
+    assert joint_p_value(tokens, models.target_joint()) > P_VALUE_FLOOR
+    assert (seen > 0).sum() >= 3, seen.tolist()

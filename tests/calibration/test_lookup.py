@@ -1,0 +1,46 @@
+"""Prompt-lookup survival table: fit by hand-counted rounds, lookup by match length, file round
+trip, and the greedy replay that produces its rounds."""
+import numpy as np
+import pytest
+import torch
+
+from dspark_serve.calibration.lookup import LookupCalibration, fit_lookup_calibration
+from dspark_serve.eval.lookup_rounds import greedy_lookup_rounds
+
+
+def test_fit_counts_reached_and_accepted_positions():
+    # rounds (m, drafted, accepted): (1, 3, 0), (1, 3, 2), (2, 2, 2), (5, 3, 1)
+    cal = fit_lookup_calibration(np.array([1, 1, 2, 5]), np.array([3, 3, 2, 3]),
+                                 np.array([0, 2, 2, 1]), gamma=3, max_match=2)
+    # m = 1: position 1 reached 2x accepted 1x; position 2 reached 1x accepted 1x;
+    # position 3 reached 1x (drafted 3, accepted 2) accepted 0x.  Laplace: (a + 1) / (r + 2)
+    assert cal.conditional[0] == pytest.approx([2 / 4, 2 / 3, 1 / 3], abs=1e-4)   # 4 decimals
+    # m >= 2 (2 and 5 pooled): position 1 reached 2x accepted 2x; position 2 reached 2x
+    # (drafted 2 and 3, both accepted 1) accepted 1x (the m = 2 round); position 3 unseen.
+    assert cal.conditional[1] == pytest.approx([3 / 4, 2 / 4, 1 / 2], abs=1e-4)
+    assert cal.num_rounds == 4
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        fit_lookup_calibration(np.array([1]), np.array([1]), np.array([2]), 3, 2)
+
+
+def test_confidence_by_match_length_and_file_round_trip(tmp_path):
+    cal = LookupCalibration([[0.5, 0.6], [0.7, 0.8]], dataset="x", num_rounds=3)
+    c = cal.confidence(torch.tensor([0, 1, 2, 9]), gamma=2)
+    assert c.tolist() == [[0.0, 0.0], pytest.approx([0.5, 0.6]), pytest.approx([0.7, 0.8]),
+                          pytest.approx([0.7, 0.8])]
+    cal.save(tmp_path / "t.json")
+    assert LookupCalibration.load(tmp_path / "t.json") == cal
+    with pytest.raises(ValueError, match="covers 2 positions"):
+        cal.confidence(torch.tensor([1]), gamma=3)
+    (tmp_path / "bad.json").write_text('{"conditional": [[1.5]]}')
+    with pytest.raises(ValueError, match="values in"):
+        LookupCalibration.load(tmp_path / "bad.json")
+
+
+def test_greedy_rounds_walk_p_to_p_plus_n_plus_1():
+    # anchor 1 (pos 4): match [1] at 0 -> drafts 2 3 4, all accepted -> next anchor at 8
+    # anchor 1 (pos 8): match [1 2 3 4 1] at 4 -> drafts 2 3 4 vs 2 3 9: 2 accepted
+    m, d, a = greedy_lookup_rounds([1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 9], gamma=3)
+    assert (m, d, a) == ([1, 5], [3, 3], [3, 2])
+    # no earlier occurrence of the anchor: a round without drafts
+    assert greedy_lookup_rounds([5], [6, 7], gamma=3) == ([0], [0], [0])
