@@ -69,7 +69,10 @@ if [[ $kernels -eq 1 ]]; then
   "$PY" -m dspark_serve.bench.kernels "${bench_args[@]}" || status=1
 fi
 
-# SGLang: greedy DSPARK_SERVE == no speculation on 20 MT-Bench prompts, then tok/s rows for
+# SGLang, the GPU-only parts (CI runs the same stack end to end on the CPU in fp32 with
+# torch_native attention: tests/sglang_plugin/test_e2e_cpu.py): with CUDA graphs, flashinfer
+# verify layouts, the fused Triton kernels and bf16, greedy DSPARK_SERVE == no speculation on
+# 20 MT-Bench prompts, then tok/s rows for
 # none / SGLang's DSPARK / DSPARK_SERVE at concurrency 1 and 32. Only where sglang imports.
 # About 4-6 min on an H200: each server gets 100 s to come up, 50 s for the 20 prompts (one
 # at a time, 64 tokens), 90 s for its tok/s rows, 11 s to stop. Needs a drafter for the model

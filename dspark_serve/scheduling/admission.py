@@ -38,6 +38,12 @@ def check_confidence(confidence: torch.Tensor, gamma: int) -> None:
                              "survival c_{r,k}, not logits)")
 
 
+def valid_confidence_rows(confidence: torch.Tensor) -> torch.Tensor:
+    """[R, gamma] float -> [R] bool: True where every value of the row is finite and in
+    [0, 1], the rows ``check_confidence`` would accept (NaN and +-inf fail)."""
+    return ((confidence >= 0) & (confidence <= 1)).all(dim=1)
+
+
 def check_gamma(gamma: int) -> None:
     """Raise TypeError/ValueError unless the block size ``gamma`` is an int >= 1."""
     if isinstance(gamma, bool) or not isinstance(gamma, int):

@@ -7,8 +7,12 @@ SGLang's ``DSparkVerifyPlanner`` asks two questions per decode step:
   Under the overlap scheduler the FutureMap confidence relay already delivers step t-2's
   confidence (``CONFIDENCE_RELAY_RING_LAG`` = the overlap's one-step lag plus one), so nothing
   is carried; without overlap the relay lag is 0 and the planner carries two steps itself.
-  Requests without a step-t-2 row of their own (new, or the pool slot was reused: generation
-  mismatch) count as surviving everywhere, the AsyncScheduler's convention for missing history.
+  Requests without a step-t-2 row of their own count as surviving everywhere, the
+  AsyncScheduler's convention for missing history: new requests (fewer earlier decode steps
+  than the relay lag: their relay row was never written), reused pool slots (generation
+  mismatch) and rows that are not confidences (non-finite or outside [0, 1]). SGLang's relay
+  buffer starts uninitialised and, off CUDA, reports every row with the current generation, so
+  a request joining a running batch gets an unwritten row flagged as history.
   K = argmax_k Theta_k over every prefix count k (no early stop), with our conservative SPS
   lookup (``CostTable``: probe at or above B), unlike SGLang's probe at or below B.
 - the per-request verify lengths for step t: ``verify_lens_from_confidence`` admits the top-K
@@ -46,15 +50,19 @@ def capacity_from_lagged(lagged_confidence: torch.Tensor, has_history: torch.Ten
     """K from the calibrated conditional survival of two steps ago (Section 5.2).
 
     Args:
-        lagged_confidence: [R, gamma] float, c_{r,k} in [0, 1] of each current request at step t-2.
-        has_history: [R] bool; False rows (no step t-2 row) survive everywhere.
+        lagged_confidence: [R, gamma] float, c_{r,k} of each current request at step t-2.
+        has_history: [R] bool; False rows (no step t-2 row) survive everywhere, and so do
+            rows with a value that is non-finite or outside [0, 1] (not a confidence).
         cost_table: profiled SPS(B).
         max_batch_tokens: optional cap on B = R + K.
     Returns:
         ``BudgetDecision`` with 0 <= K <= R * gamma.
     Raises:
-        ValueError: bad shapes/values, or R alone exceeds the batch-token limit.
+        TypeError: ``lagged_confidence`` is not a floating-point tensor.
+        ValueError: bad shapes, or R alone exceeds the batch-token limit.
     """
+    if not lagged_confidence.is_floating_point():
+        raise TypeError("lagged_confidence must be a floating-point tensor [R, gamma]")
     if lagged_confidence.ndim != 2:
         raise ValueError(f"lagged_confidence must be [R, gamma], got {tuple(lagged_confidence.shape)}")
     num_req, gamma = lagged_confidence.shape
@@ -63,9 +71,9 @@ def capacity_from_lagged(lagged_confidence: torch.Tensor, has_history: torch.Ten
                          f"{tuple(has_history.shape)}")
     if num_req == 0:
         return BudgetDecision(0)
-    admission.check_confidence(lagged_confidence, gamma)
-    surv = admission.survival(lagged_confidence.detach().cpu())
-    surv[~has_history.cpu()] = 1.0
+    conf = lagged_confidence.detach().cpu().float()
+    real = has_history.cpu() & admission.valid_confidence_rows(conf)
+    surv = admission.survival(conf.masked_fill(~real[:, None], 1.0))
     limit = admission.batch_limit(num_req, max_batch_tokens, cost_table)
     ranking = admission.rank_slots(surv)
     max_k = admission.max_admissions(num_req, ranking.positive, limit)
@@ -130,22 +138,29 @@ class LaggedBudgetPlanner:
         self.gamma = gamma
         self.max_batch_tokens = max_batch_tokens
         self.lag_steps = LAG_STEPS
+        self.relay_lag_steps = relay_lag_steps
         self.carry_steps = max(LAG_STEPS - relay_lag_steps, 0)
         self.forced_budget_frac: float | None = None
         self.last_decision: BudgetDecision | None = None
         # Per carried step: (pool indices [R'], confidence [R', gamma], generation [R']).
         self._carry: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Pool slot -> (generation, decode steps seen) of the requests of the last decode step.
+        self._decode_steps: dict[int, tuple[int, int]] = {}
 
     def compute_budget(self, *, confidence: torch.Tensor, generation: torch.Tensor,
                        current_generation: torch.Tensor,
                        req_pool_indices_cpu: torch.Tensor) -> int:
         """K for this step. ``confidence`` [R, gamma] / ``generation`` [R] int64 are the relay's
         rows (``relay_lag_steps`` old) for the current requests ``req_pool_indices_cpu`` [R];
-        ``current_generation`` [R] int64 their pool slots' generation now (>= 1 when live)."""
-        conf, gen = self._shift(confidence.cpu().float(), generation.cpu().long(),
-                                req_pool_indices_cpu.cpu().long())
+        ``current_generation`` [R] int64 their pool slots' generation now (>= 1 when live).
+        A row is history only when its generation is current, the request was in at least
+        ``relay_lag_steps`` earlier decode steps (the relay has written its row) and its values
+        are confidences (``capacity_from_lagged``)."""
+        rows = req_pool_indices_cpu.cpu().long()
         cur = current_generation.cpu().long()
-        has_history = (cur >= 1) & (gen == cur)
+        conf, gen = self._shift(confidence.cpu().float(), generation.cpu().long(), rows)
+        earlier = self._count_decode_steps(rows, cur)
+        has_history = (cur >= 1) & (gen == cur) & (earlier >= self.relay_lag_steps)
         if self.forced_budget_frac is not None:
             decision = BudgetDecision(max(0, int(float(self.forced_budget_frac) * conf.numel())))
         else:
@@ -162,6 +177,19 @@ class LaggedBudgetPlanner:
     def note_non_decode_step(self) -> None:
         """A prefill/extend step: no decision this step."""
         self.last_decision = None
+
+    def _count_decode_steps(self, rows: torch.Tensor, generation: torch.Tensor) -> torch.Tensor:
+        """[R] int64 earlier decode steps of each current request (its pool slot at its current
+        generation); records this step."""
+        earlier = []
+        steps = {}
+        for slot, gen in zip(rows.tolist(), generation.tolist()):
+            seen_gen, seen = self._decode_steps.get(slot, (None, 0))
+            count = seen if seen_gen == gen else 0
+            earlier.append(count)
+            steps[slot] = (gen, count + 1)
+        self._decode_steps = steps
+        return torch.tensor(earlier, dtype=torch.int64)
 
     def _shift(self, conf: torch.Tensor, gen: torch.Tensor, rows: torch.Tensor):
         if self.carry_steps == 0:

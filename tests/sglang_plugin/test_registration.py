@@ -165,5 +165,5 @@ def test_server_args_validation(tmp_path):
 @pytest.mark.gpu
 def test_worker_needs_gpu():
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU: the worker builds SGLang model runners "
-                    "(covered by scripts/gpu_check.sh's SGLang section)")
+        pytest.skip("needs a CUDA GPU: the worker builds SGLang model runners (on the CPU: "
+                    "test_e2e_cpu.py; on a GPU: scripts/gpu_check.sh's SGLang section)")

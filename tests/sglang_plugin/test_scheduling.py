@@ -90,7 +90,52 @@ def test_planner_carries_two_steps_without_relay_lag():
 
 def test_planner_with_relay_lag_uses_relayed_rows_directly():
     planner = LaggedBudgetPlanner(TABLE, 3, relay_lag_steps=2)
-    gen = torch.tensor([1, 1])
-    k = planner.compute_budget(confidence=torch.zeros(2, 3), generation=gen,
-                               current_generation=gen, req_pool_indices_cpu=torch.tensor([3, 4]))
-    assert k == 0 and planner.carry_steps == 0
+    gen, rows, zeros = torch.tensor([1, 1]), torch.tensor([3, 4]), torch.zeros(2, 3)
+    # The relay has written a request's row only after its first relay_lag decode steps:
+    # until then all-survive (K = 2); from the third step its zero survival gives K = 0.
+    budgets = [planner.compute_budget(confidence=zeros, generation=gen, current_generation=gen,
+                                      req_pool_indices_cpu=rows) for _ in range(3)]
+    assert budgets == [2, 2, 0] and planner.carry_steps == 0
+
+
+def test_capacity_treats_non_confidence_rows_as_no_history():
+    # Row 1 holds what SGLang's uninitialised relay buffer handed back (values seen in a
+    # real run): it must count as surviving everywhere, exactly like a row without history.
+    garbage = torch.tensor([[1.9e31, -1.6e-22, float("nan")], [float("inf"), 0.5, 0.5],
+                            [-0.1, 0.5, 0.5], [0.5, 0.5, 1.0001]])
+    history = torch.tensor([True, True])
+    for bad in garbage:
+        conf = torch.stack([torch.tensor([0.5, 0.5, 0.5]), bad])
+        expected = capacity_from_lagged(conf, torch.tensor([True, False]), TABLE)
+        got = capacity_from_lagged(conf, history, TABLE)
+        assert (got.budget, got.predicted_theta) == (expected.budget, expected.predicted_theta)
+    # Row 1 without history: its two first slots (survival 1) rank first, (2 + 1 + 1) * 100 at
+    # k = 2 (B = 4) beats everything with B >= 5.
+    assert expected.budget == 2 and expected.predicted_theta == pytest.approx(400.0)
+    with pytest.raises(TypeError):
+        capacity_from_lagged(torch.ones(2, 3, dtype=torch.int64), history, TABLE)
+
+
+def test_request_joining_a_running_overlap_batch_gets_no_history():
+    """Regression (issue 17): compact mode with the overlap scheduler; a third request joins
+    two running ones and SGLang's relay hands back its never-written row (garbage, or zeros)
+    with the current generation. The planner used to raise ValueError and kill the scheduler."""
+    planner = LaggedBudgetPlanner(TABLE, 3, relay_lag_steps=2)
+    low = torch.full((2, 3), 0.01)
+    for _ in range(3):      # two running requests, long enough to have relayed history
+        planner.compute_budget(confidence=low, generation=torch.tensor([1, 1]),
+                               current_generation=torch.tensor([1, 1]),
+                               req_pool_indices_cpu=torch.tensor([0, 1]))
+    gen = torch.tensor([1, 1, 1])
+    rows = torch.tensor([0, 1, 2])
+    for unwritten in ([1.9e31, -1.6e-22, 0.3], [0.0, 0.0, 0.0]):
+        conf = torch.cat([low, torch.tensor([unwritten])])
+        k = planner.compute_budget(confidence=conf, generation=gen, current_generation=gen,
+                                   req_pool_indices_cpu=rows)
+        # Joined request surviving everywhere: Theta_k = (3 + k) * 100 for B = 3 + k <= 4,
+        # so k = 1 (400) beats k = 0 (300) and any B >= 5 (at most (3 + 5.03) * 40).
+        assert k == 1 and planner.take_last_decision().predicted_theta == pytest.approx(400.0)
+    # Its own relayed rows count from its third decode step on.
+    k = planner.compute_budget(confidence=torch.full((3, 3), 0.01), generation=gen,
+                               current_generation=gen, req_pool_indices_cpu=rows)
+    assert k == 1 and planner.take_last_decision().predicted_theta == pytest.approx(301.0)
