@@ -124,3 +124,9 @@ def test_compose_file():
         assert service["volumes"] == ["dspark-cache:/cache"]
         assert all(p.startswith("127.0.0.1:") for p in service["ports"])
     assert compose["services"]["dspark-gpu"]["profiles"] == ["gpu"]
+    # the CPU build arguments come from the environment, else the Dockerfile's own defaults
+    defaults = build_args("Dockerfile.cpu")
+    expected = {k: defaults[k].strip('"').replace("${PYTHON_VERSION}", defaults["PYTHON_VERSION"])
+                for k in ("BASE_IMAGE", "TORCH_SOURCE")}
+    assert compose["services"]["dspark-cpu"]["build"]["args"] == \
+        {k: f"${{{k}:-{v}}}" for k, v in expected.items()}
