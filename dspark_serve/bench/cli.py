@@ -9,6 +9,7 @@ import importlib
 BENCHMARKS = {
     "scheduler": "dspark_serve.bench.scheduler",
     "serving": "dspark_serve.bench.serving",
+    "compare": "dspark_serve.bench.compare",
     "kernels": "dspark_serve.bench.kernels",
     "step": "dspark_serve.bench.step_profile",
 }

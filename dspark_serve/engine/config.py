@@ -49,7 +49,9 @@ class EngineConfig:
     max_batch_tokens: most target tokens per step (prefill chunks + verify budget B);
         None = the cost table's ``max_batch_tokens``.
     prefill_chunk: most prompt tokens of one request prefilled in one step.
-    lookup_min_match: hybrid: shortest suffix match that prompt lookup drafts a row with.
+    lookup_min_match: hybrid: shortest suffix match that prompt lookup drafts a row with
+        (1: any match; on SmolLM2 even a 1-token match's draft survives longer in
+        expectation than the shipped drafter's, see TRAINING.md).
     lookup_calibration: prompt-lookup survival table JSON (``calibration.lookup``); None =
         the table shipped for the target, if any.
 
@@ -73,7 +75,7 @@ class EngineConfig:
     threshold: float = 0.5
     max_batch_tokens: int | None = None
     prefill_chunk: int = 256
-    lookup_min_match: int = 3
+    lookup_min_match: int = 1
     lookup_calibration: str | None = None
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ class LookupConfig:
     """
 
     max_ngram: int = DEFAULT_MAX_NGRAM
-    min_match: int = 3
+    min_match: int = 1
     calibration: LookupCalibration | None = None
 
 

@@ -18,10 +18,11 @@ class Completion:
     stats: SpecStats
 
 
-def run_prompts(engine: LLMEngine, prompts: list[list[int]],
-                params: SamplingParams) -> list[Completion]:
+def run_prompts(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                step_stats: list | None = None) -> list[Completion]:
     """Every prompt (token ids) through ``engine`` with ``params`` (up to the engine's
-    max_num_seqs at once); completions in prompt order. Raises as ``add_request``."""
+    max_num_seqs at once); completions in prompt order, the engine's ``StepStats`` appended
+    to ``step_stats``. Raises as ``add_request``."""
     done = {str(i): Completion([], SpecStats()) for i in range(len(prompts))}
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), ids, params)
@@ -29,5 +30,5 @@ def run_prompts(engine: LLMEngine, prompts: list[list[int]],
         for out in engine.step():
             done[out.request_id].token_ids += out.new_token_ids
             done[out.request_id].stats = out.stats
-    engine.pop_step_stats()
+    (step_stats if step_stats is not None else []).extend(engine.pop_step_stats())
     return [done[str(i)] for i in range(len(prompts))]

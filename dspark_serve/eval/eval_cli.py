@@ -24,7 +24,12 @@ def add_parser(subparsers) -> None:
                    help="target HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None,
                    help="drafter folder (default: the shipped one of --kind)")
-    p.add_argument("--kind", choices=("dspark", "dflash"), default="dspark")
+    p.add_argument("--kind", choices=("dspark", "dflash", "ngram", "hybrid"), default="dspark",
+                   help="ngram / hybrid run through the engine (static scheduler: every draft "
+                        "verified), reporting tau and conditional acceptance")
+    p.add_argument("--engine", action="store_true",
+                   help="evaluate dspark / dflash through the engine too (comparable with "
+                        "ngram / hybrid; no calibration metrics)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) or e.g. 1")
     p.add_argument("--gamma", type=int, default=None, help="block size (default: the drafter's)")
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS),
@@ -135,6 +140,42 @@ def _no_nan(obj):
     return obj
 
 
+def evaluate_engine(args: argparse.Namespace, names: list[str]) -> dict:
+    """The report of ``--kind ngram|hybrid`` (or any kind): the engine with the static
+    scheduler (gamma drafts verified per round, as the paper's Table 1), per benchmark tau
+    (tokens per round, bonus included) and conditional acceptance per position."""
+    from dspark_serve.data.prompt_sets import load_prompts
+    from dspark_serve.engine.config import EngineConfig
+    from dspark_serve.engine.llm_engine import LLMEngine
+    from dspark_serve.engine.params import SamplingParams
+    from dspark_serve.eval.engine_runs import run_prompts
+    from dspark_serve.eval.loading import chat_prompts
+
+    engine = LLMEngine(EngineConfig(model=args.model, draft=args.draft, speculative=args.kind,
+                                    scheduler="static", gamma=args.gamma, dtype=args.dtype,
+                                    max_num_seqs=args.batch_size, seed=args.seed))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
+    report = {"temperature": args.temperature, "draft": args.draft, "gamma": engine.gamma,
+              "benchmarks": {}}
+    for name in names:
+        prompts = chat_prompts(engine.tokenizer, load_prompts(name, args.limit or None))
+        steps: list = []
+        run_prompts(engine, prompts, params, steps)
+        rounds = sum(s.rounds for s in steps)
+        accepted = sum(s.accepted_tokens for s in steps)
+        verified = [sum(c) for c in zip(*(s.verified_per_position for s in steps if s.rounds))]
+        passed = [sum(c) for c in zip(*(s.accepted_per_position for s in steps if s.rounds))]
+        # position k is reached when k-1 drafts were accepted (every draft is verified)
+        reached = verified[:1] + passed[:-1]
+        report["benchmarks"][name] = {
+            "prompts": len(prompts), "rounds": rounds,
+            "tau": (accepted + rounds) / rounds if rounds else math.nan,
+            "conditional_acceptance": [a / r if r else math.nan for a, r in zip(passed, reached)]}
+    taus = [b["tau"] for b in report["benchmarks"].values() if not math.isnan(b["tau"])]
+    report["macro_tau"] = sum(taus) / len(taus) if taus else math.nan
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     from dspark_serve.calibration.io import load_sts_calibration
     from dspark_serve.eval.loading import load_pair
@@ -143,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
     unknown = [b for b in names if b not in BENCHMARKS]
     if unknown or not names:
         raise ValueError(f"unknown benchmarks {unknown}; choose from {', '.join(BENCHMARKS)}")
+    if args.kind in ("ngram", "hybrid") or args.engine:
+        report = {**evaluate_engine(args, names), "kind": args.kind}
+        print(json.dumps(_no_nan(report)) if args.json else format_report(report))
+        return 0
     pair = load_pair(args.model, args.draft, args.kind, args.dtype)
     gamma = args.gamma or pair.drafter.gamma
     cal_path = args.calibration or Path(pair.draft_path) / "sts_calibration.json"

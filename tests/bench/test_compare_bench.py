@@ -1,0 +1,47 @@
+"""``dspark-serve bench compare``: medians over rounds, ratios to plain decoding and to
+llama.cpp, the table, and llama.cpp skipped with a reason when it cannot run."""
+import sys
+
+import pytest
+
+from dspark_serve.bench import compare
+from dspark_serve.bench.serving import CellResult
+
+
+def cell(mode, conc, user, agg, tau=0.0):
+    return CellResult(mode, conc, 100, 1.0, user, agg, 0.1, tau, 10.0)
+
+
+def test_median_over_rounds():
+    m = compare.median_cells([cell("ngram", 4, 10, 30), cell("ngram", 4, 30, 10),
+                              cell("ngram", 4, 20, 20, tau=2.0)])
+    assert (m.mode, m.concurrency, m.user_tok_s, m.agg_tok_s, m.tau) == ("ngram", 4, 20, 20, 0.0)
+
+
+def test_ratios_and_table():
+    rows = compare.with_ratios([cell("none", 1, 20, 20), cell("hybrid", 1, 50, 50, 2.6),
+                                cell("llama.cpp", 1, 40, 40), cell("none", 4, 10, 40),
+                                cell("hybrid", 4, 15, 60, 2.2)])
+    by = {(r.cell.mode, r.cell.concurrency): r for r in rows}
+    assert (by["hybrid", 1].user_x, by["hybrid", 1].user_vs_llama) == (2.5, 1.25)
+    assert (by["hybrid", 4].user_x, by["hybrid", 4].agg_x) == (1.5, 1.5)
+    assert by["hybrid", 4].user_vs_llama is None          # no llama.cpp cell at c = 4
+    lines = compare.format_rows(rows).splitlines()
+    assert lines[0].split()[:2] == ["config", "conc"]
+    assert [line.split()[:2] for line in lines[1:]] == [
+        ["none", "1"], ["hybrid", "1"], ["llama.cpp", "1"], ["none", "4"], ["hybrid", "4"]]
+    assert lines[2].split()[2:] == ["50.0", "50.0", "0.10", "2.60", "2.50", "2.50", "1.25"]
+
+
+def test_llama_skipped_with_reason_when_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)     # import fails
+    reason = compare.llama_unavailable()
+    assert "llama-cpp-python is not installed" in reason and "GGML_AMX_INT8=OFF" in reason
+
+
+def test_llama_amx_build_refused_on_amx_cpu(monkeypatch):
+    fake = type(sys)("llama_cpp")
+    fake.llama_print_system_info = lambda: b"CPU : AVX2 = 1 | AMX_INT8 = 1 |"
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    assert "rebuild" in compare.llama_unavailable(cpu_flags="fpu avx2 amx_tile amx_int8")
+    assert compare.llama_unavailable(cpu_flags="fpu avx2 avx512f") is None
