@@ -1,5 +1,5 @@
-"""A fresh ``dspark-serve serve`` subprocess on a free loopback port: start, wait for
-``/health``, warm up, stop. Loopback only: the sweep never binds or talks beyond 127.0.0.1."""
+"""A fresh ``dspark-serve serve`` subprocess (or another OpenAI server, e.g. llama.cpp's) on a
+free loopback port: start, wait until healthy, warm up, stop. Loopback only: the sweep never binds or talks beyond 127.0.0.1."""
 from __future__ import annotations
 
 import ipaddress
@@ -46,8 +46,9 @@ class ServerError(RuntimeError):
 
 
 class ManagedServer:
-    """``server_cmd serve <args> --host 127.0.0.1 --port P`` as a child process (own session,
-    so a Ctrl-C of the sweep reaches it only through ``stop``), logging to ``log_path``.
+    """``server_cmd [subcommand] <args> --host 127.0.0.1 --port P`` as a child process (own
+    session, so a Ctrl-C of the sweep reaches it only through ``stop``), logging to
+    ``log_path``; healthy once ``health_path`` answers 200.
 
     Use as a context manager: entering starts it and waits for /health (raising
     ``ServerError`` with the log tail), leaving stops it.
@@ -55,10 +56,13 @@ class ManagedServer:
 
     def __init__(self, args: list[str], log_path: Path, *,
                  server_cmd: tuple[str, ...] | list[str] = DEFAULT_SERVER_CMD,
-                 startup_timeout_s: float = 300.0):
+                 startup_timeout_s: float = 300.0, subcommand: str | None = "serve",
+                 health_path: str = "/health"):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.cmd = [*server_cmd, "serve", *args, "--host", LOOPBACK, "--port", str(self.port)]
+        self.cmd = [*server_cmd, *([subcommand] if subcommand else []), *args,
+                    "--host", LOOPBACK, "--port", str(self.port)]
+        self.health_path = health_path
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
@@ -81,7 +85,7 @@ class ManagedServer:
         self.stop()
 
     def wait_healthy(self) -> float:
-        """Poll /health until 200; returns seconds waited. Raises ServerError if the process
+        """Poll the health path until 200; returns seconds waited. Raises ServerError if the process
         exits or the startup timeout passes."""
         start = time.monotonic()
         while True:
@@ -89,7 +93,7 @@ class ManagedServer:
                 raise ServerError(f"server exited with code {self.proc.returncode}:\n"
                                   f"{self.log_tail()}")
             try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=2) as resp:
                     if resp.status == 200:
                         return time.monotonic() - start
             except (OSError, urllib.error.HTTPError):

@@ -32,13 +32,23 @@ LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # name -> dspark-serve serve flags
 CONFIGS = {
     "none": ["--speculative", "none"],
+    "ngram": ["--speculative", "ngram"],
+    "hybrid": ["--speculative", "hybrid"],
     "dflash": ["--speculative", "dflash"],
     "dspark": ["--speculative", "dspark", "--scheduler", "async"],
     "dspark-algorithm1": ["--speculative", "dspark", "--scheduler", "algorithm1"],
     "dspark-static": ["--speculative", "dspark", "--scheduler", "static"],
     "dspark-threshold": ["--speculative", "dspark", "--scheduler", "threshold"],
 }
-ALL_CONFIGS = tuple(CONFIGS)
+# name -> llama-cpp-python OpenAI server flags (the CPU peer on the same GGUF weights and as
+# many threads as ``serve`` uses by default: one core left to the HTTP event loop)
+LLAMA_CONFIGS = {
+    "llama.cpp": [],
+    "llama.cpp-lookup": ["--draft_model", "prompt-lookup-decoding",
+                         "--draft_model_num_pred_tokens", "7"],
+}
+LLAMA_SERVER_CMD = (sys.executable, "-m", "llama_cpp.server")
+ALL_CONFIGS = tuple(CONFIGS) + tuple(LLAMA_CONFIGS)
 OVERHEAD_GUESS_S = 20.0  # server start + warm-up + stop, until one run has been measured
 LOCUST_START_S = 3.0  # Locust's own start (imports, prompt sets) before its run-time counts
 MIN_RUN_S = 3
@@ -71,7 +81,7 @@ class SweepOptions:
     startup_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        unknown = [c for c in self.configs if c not in CONFIGS]
+        unknown = [c for c in self.configs if c not in ALL_CONFIGS]
         if unknown or not self.configs:
             raise ValueError(f"unknown or no configs {unknown}; choose from {', '.join(CONFIGS)}")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -114,9 +124,7 @@ def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int,
         (run_dir / stale).unlink(missing_ok=True)
     start, locust_s = time.monotonic(), 0.0
     try:
-        with ManagedServer([*CONFIGS[config], *opts.server_args], run_dir / "server.log",
-                           server_cmd=opts.server_cmd,
-                           startup_timeout_s=opts.startup_timeout_s) as server:
+        with _server(opts, config, run_dir / "server.log") as server:
             t0 = time.monotonic()
             warmed = server.warm_up(WARMUP_REQUESTS)
             print(f"  server healthy in {server.startup_s:.0f} s, warm-up {warmed}/"
@@ -145,6 +153,20 @@ def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int,
               f"(see {run_dir}/locust.log)", file=sys.stderr)
         return (failed_row(config, users, f"locust_failed_rc{locust.returncode}"), records,
                 overhead)
+
+
+def _server(opts: SweepOptions, config: str, log: Path) -> ManagedServer:
+    if config in CONFIGS:
+        return ManagedServer([*CONFIGS[config], *opts.server_args], log,
+                             server_cmd=opts.server_cmd, startup_timeout_s=opts.startup_timeout_s)
+    from dspark_serve.models.default_model import default_gguf_path
+
+    threads = str(max(1, (os.cpu_count() or 2) - 1))
+    return ManagedServer(["--model", default_gguf_path(), "--model_alias", "default",
+                          "--n_threads", threads, "--n_threads_batch", threads,
+                          "--n_ctx", "2048", *LLAMA_CONFIGS[config]], log,
+                         server_cmd=LLAMA_SERVER_CMD, startup_timeout_s=opts.startup_timeout_s,
+                         subcommand=None, health_path="/v1/models")
 
 
 def write_results(out_dir: Path, rows: list[dict], records: list[dict], meta: dict) -> None:

