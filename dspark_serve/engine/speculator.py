@@ -165,7 +165,9 @@ class Speculator:
             taken = ~by_drafter
             probs[taken] = probs[taken].scatter_(2, tokens[taken, :, None], 1.0)
             confidence = self._lookup_confidence(match_len) * taken[:, None]
-            caps = torch.where(taken, torch.minimum(caps, found), caps)
+            # lookup rows verify at most the tokens found; rows nobody drafts verify none
+            caps = torch.where(taken, torch.minimum(caps, found),
+                               caps if self.drafter is not None else 0)
         rows = by_drafter.nonzero().flatten()
         if self.drafter is not None and rows.numel():
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],

@@ -1,0 +1,64 @@
+"""The speculator's proposers without the real model: prompt lookup alone (rows without a
+match verify nothing), hybrid routing (the drafter drafts only the rows lookup does not take)
+and the survival pool handed to the scheduler."""
+import torch
+
+from dspark_serve.calibration.lookup import LookupCalibration
+from dspark_serve.engine.speculator import LookupConfig, Speculator
+from dspark_serve.types import SamplingTensors
+from tests.drafter.conftest import tiny_config, tiny_drafter
+
+V = 61
+CAL = LookupCalibration([[0.5, 0.5, 0.5], [0.9, 0.8, 0.7]])
+
+
+def speculator(drafter=None, scheduler="static", gamma=3):
+    return Speculator(drafter, lookup=LookupConfig(min_match=2, calibration=CAL), vocab_size=V,
+                      gamma=gamma, scheduler=scheduler, cost_table=None, temperatures=None,
+                      threshold=0.6, max_batch_tokens=None, num_slots=4, max_len=32)
+
+
+TEXTS = [[1, 2, 3, 9, 1, 2],        # suffix [1, 2] matched at 0: drafts 3 9 1 (match 2)
+         [4, 5, 6, 7],              # no earlier 7: no draft
+         [8, 3, 8]]                 # [8] matched at 0: drafts 3 8 3 (match 1)
+
+
+def propose(spec, caps=(3, 3, 3), uniforms_cols=0):
+    r = len(TEXTS)
+    args = (torch.arange(r), torch.tensor([t[-1] for t in TEXTS]),
+            torch.tensor([len(t) - 1 for t in TEXTS]), TEXTS, SamplingTensors.uniform(r, 0.0),
+            torch.full((r, uniforms_cols), 0.5), torch.tensor(caps))
+    return spec.propose(*args)
+
+
+def test_lookup_alone_verifies_found_tokens_only():
+    block, lengths = propose(speculator())
+    assert lengths.tolist() == [3, 0, 3]
+    assert block.tokens[0].tolist() == [3, 9, 1] and block.tokens[2].tolist() == [3, 8, 3]
+    assert torch.equal(block.probs[0, torch.arange(3), block.tokens[0]], torch.ones(3))
+    assert float(block.probs.sum()) == 6.0                  # one-hot rows only where drafted
+    _, capped = propose(speculator(), caps=(1, 3, 0))
+    assert capped.tolist() == [1, 0, 0]
+
+
+def test_lookup_survival_feeds_the_scheduler():
+    """threshold 0.6: the match-2 row's c = 0.9, 0.8, 0.7 keeps 3; the match-1 row's 0.5 none."""
+    _, lengths = propose(speculator(scheduler="threshold"))
+    assert lengths.tolist() == [3, 0, 0]
+
+
+def test_hybrid_drafts_only_rows_lookup_does_not_take(monkeypatch):
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    spec = speculator(drafter)
+    taps = torch.randn(12, drafter.config.context_dim)
+    spec.extend(torch.tensor([0] * 5 + [1] * 3 + [2] * 2 + [3] * 2),
+                torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 0, 1]), taps)
+    seen = []
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda cache, slots, *a: seen.append(slots.tolist())
+                        or draft(cache, slots, *a))
+    block, lengths = propose(spec, uniforms_cols=drafter.gamma)
+    assert seen == [[1, 2]]          # row 0 matched 2 tokens (lookup); rows 1, 2 by the drafter
+    assert block.tokens[0].tolist() == [3, 9, 1]
+    assert lengths.tolist() == [3, 3, 3]                   # static: every drafted row in full
+    assert torch.allclose(block.probs[1:].sum(-1), torch.ones(2, 3))
