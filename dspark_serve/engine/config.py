@@ -21,8 +21,9 @@ class EngineConfig:
     draft: DeepSpec or DFlash drafter checkpoint folder; None = the default drafter.
     speculative: "none" (plain decoding), "dflash" (parallel backbone only, fixed gamma),
         "dspark" (backbone + sequential head + confidence head + scheduler), "ngram" (prompt
-        lookup alone) or "hybrid" (prompt lookup where it matches at least
-        ``lookup_min_match`` tokens, the DSpark drafter otherwise; one scheduled pool).
+        lookup alone) or "hybrid" (default: prompt lookup where it matches at least
+        ``lookup_min_match`` tokens, the DSpark drafter otherwise; one scheduled pool; the
+        highest accepted length of the shipped proposers, TRAINING.md).
     scheduler: verify-length scheduler, "algorithm1" (paper Algorithm 1), "async" (Section 5.2),
         "static" (verify the whole block) or "threshold" (static confidence threshold).
     gamma: block size (draft tokens per round); None = the drafter's trained block size.
@@ -61,7 +62,7 @@ class EngineConfig:
 
     model: str | None = None
     draft: str | None = None
-    speculative: str = "dspark"
+    speculative: str = "hybrid"
     scheduler: str = "async"
     gamma: int | None = None
     cost_table: str | None = None

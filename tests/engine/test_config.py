@@ -7,7 +7,7 @@ from dspark_serve.engine.config import EngineConfig
 def test_defaults():
     c = EngineConfig()
     assert (c.speculative, c.scheduler, c.gamma, c.model, c.dtype, c.quantization,
-            c.always_draft) == ("dspark", "async", None, None, "bfloat16", "none", False)
+            c.always_draft) == ("hybrid", "async", None, None, "bfloat16", "none", False)
 
 
 @pytest.mark.parametrize("kwargs, text", [
