@@ -44,6 +44,10 @@ class EngineConfig:
     max_batch_tokens: most target tokens per step (prefill chunks + verify budget B);
         None = the cost table's ``max_batch_tokens``.
     prefill_chunk: most prompt tokens of one request prefilled in one step.
+    mask_drafts: for grammar-constrained requests, restrict each draft distribution to the
+        tokens the grammar allows (redrawing forbidden drafts) before verification; False
+        verifies the drafter's block as drafted (forbidden drafts are then rejected). Both
+        are lossless; masking raises acceptance (``dspark_serve.structured.masking``).
 
     Raises:
         ValueError: a field is out of range or names an unknown mode.
@@ -65,6 +69,7 @@ class EngineConfig:
     threshold: float = 0.5
     max_batch_tokens: int | None = None
     prefill_chunk: int = 256
+    mask_drafts: bool = True
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("speculative", self.speculative, SPECULATIVE_MODES),
