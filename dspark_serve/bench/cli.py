@@ -11,6 +11,7 @@ BENCHMARKS = {
     "serving": "dspark_serve.bench.serving",
     "kernels": "dspark_serve.bench.kernels",
     "step": "dspark_serve.bench.step_profile",
+    "structured": "dspark_serve.bench.structured",
 }
 
 
