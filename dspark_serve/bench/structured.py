@@ -2,8 +2,10 @@
 DSpark (drafts masked to the grammar or verified as drafted), in process.
 
 Per mode one engine is built; per concurrency C, C JSON-schema requests (chat prompts asking
-for the JSON of one of a few schemas, ``response_format``-style, greedy, stopping where the
-grammar ends) and then C free-text requests (MT-Bench first turns, greedy) run to completion.
+for the JSON of one of a few schemas, ``response_format``-style, stopping where the grammar
+ends) and then C free-text requests (MT-Bench first turns) run to completion, greedy or at
+``--temperature`` (where masking the drafts changes acceptance: a greedy draft is one token,
+kept or dropped either way).
 Reported per cell: tok/s/user (decode rate after the first token), aggregate tok/s, tau
 (tokens per verify round), grammar ms per step and the share of the step time it takes.
 
@@ -71,7 +73,8 @@ class Cell:
     grammar_share: float
 
 
-def json_requests(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int], SamplingParams]]:
+def json_requests(tokenizer, count: int, max_tokens: int,
+                  temperature: float) -> list[tuple[list[int], SamplingParams]]:
     """``count`` chat requests cycling through SCHEMAS, each constrained to its schema."""
     out = []
     for i in range(count):
@@ -80,7 +83,7 @@ def json_requests(tokenizer, count: int, max_tokens: int) -> list[tuple[list[int
             [{"role": "user", "content": f"{question} Schema: {json.dumps(schema)}"}],
             tokenize=False, add_generation_prompt=True)
         out.append((tokenizer.encode(chat, add_special_tokens=False),
-                    SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                    SamplingParams(temperature=temperature, max_tokens=max_tokens,
                                    structured=json_schema_spec(schema))))
     return out
 
@@ -122,8 +125,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> list[Cell]:
                                     mask_drafts=mask, max_num_seqs=max(args.concurrency),
                                     max_model_len=args.max_model_len))
     texts = chat_prompts(engine.tokenizer, max(args.concurrency))
-    jsons = json_requests(engine.tokenizer, max(args.concurrency), args.max_tokens)
-    text_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    jsons = json_requests(engine.tokenizer, max(args.concurrency), args.max_tokens,
+                          args.temperature)
+    text_params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                                 ignore_eos=True)
     run_cell(engine, mode, "warm-up", jsons[:1])
     cells = []
     for c in args.concurrency:
@@ -222,6 +227,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="most output tokens per request (default: %(default)s)")
     parser.add_argument("--max-model-len", type=_positive, default=1024,
                         help="engine context limit (default: %(default)s)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature of every request (default: greedy)")
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="async",
                         help="dspark verify-length scheduler (default: %(default)s)")
     parser.add_argument("--always-draft", action="store_true",
@@ -252,7 +259,7 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(c) for c in cells]))
         return 0
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"# greedy, <= {args.max_tokens} tokens/request, scheduler {args.scheduler}"
+    print(f"# temperature {args.temperature:g}, <= {args.max_tokens} tokens/request, scheduler {args.scheduler}"
           f"{' (always draft)' if args.always_draft else ''}, {torch.get_num_threads()} torch "
           f"threads, load average {load}")
     print(format_table(cells))

@@ -108,36 +108,52 @@ def constrain_drafts(states: Sequence[GrammarState | None], tokens: torch.Tensor
     Args:
         states: R grammar states at the committed output (None = leave the row alone);
             returned at the same state.
-        tokens: [R, gamma] int64 drafts; forbidden ones are redrawn with ``mask_drafts``.
-        probs: [R, gamma, V] float32 draft distributions; masked and renormalised with
-            ``mask_drafts``.
+        tokens: [R, gamma] int64 drafts, each drawn from its row of ``probs``; forbidden
+            ones are redrawn when ``uniforms`` is given.
+        probs: [R, gamma, V] float32 draft distributions; masked and renormalised at the
+            verified positions when ``uniforms`` is given.
         lengths: [R] int64 (CPU) verified lengths; shortened where the rest cannot matter.
-        uniforms: [R, gamma] float32 in [0, 1) for redraws (on ``probs``' device) to mask the
-            drafts, or None to leave the distributions as drafted.
+        uniforms: [R, gamma] float32 in [0, 1) for redraws, or None to verify the drafts as
+            drafted (only the lengths change).
+    Raises:
+        RuntimeError: the grammar refuses a redrawn token (a backend inconsistency).
     """
     vocab = probs.shape[-1]
-    scratch = new_bitmask(1, vocab)
     for i, state in enumerate(states):
-        if state is None:
+        if state is None or int(lengths[i]) == 0:
             continue
-        pushed, n = 0, int(lengths[i])
+        n = int(lengths[i])
+        masks, pushed, kept = new_bitmask(n, vocab), 0, n
         for k in range(n):
             if state.terminated:  # x_k was a stop token: nothing after it is committed
-                lengths[i] = k
+                kept = k
                 break
-            if uniforms is not None:
-                state.fill(scratch, 0)
-                allowed = bitmask_to_bool(scratch[0], vocab).to(probs.device)
-                q = torch.where(allowed, probs[i, k], 0.0)
+            state.fill(masks, k)
+            token = int(tokens[i, k])
+            if not _allows(masks[k], token):
+                if uniforms is None:  # verified and rejected for certain; the rest unused
+                    kept = k + 1
+                    break
+                q = torch.where(bitmask_to_bool(masks[k], vocab).to(probs.device),
+                                probs[i, k], 0.0)
                 mass = float(q.sum())
                 if mass <= 0.0:
-                    lengths[i] = k
+                    kept = k
                     break
-                probs[i, k] = q / mass
-                if not bool(allowed[tokens[i, k]]):
-                    tokens[i, k] = sample_from_probs(probs[i, k][None], uniforms[i, k][None])[0]
-            if not state.accept(int(tokens[i, k])):  # certain rejection; later drafts unused
-                lengths[i] = k + 1
-                break
+                token = int(sample_from_probs((q / mass)[None], uniforms[i, k][None])[0])
+                tokens[i, k] = token
+            if not state.accept(token):
+                raise RuntimeError(f"the grammar refused token {token} it allowed")
             pushed += 1
+        if uniforms is not None and pushed:
+            # one batched renormalisation of the masked q at every kept position
+            allowed = bitmask_to_bool(masks[:pushed], vocab).to(probs.device)
+            q = torch.where(allowed, probs[i, :pushed], 0.0)
+            probs[i, :pushed] = q / q.sum(dim=-1, keepdim=True)
+        lengths[i] = kept
         state.rollback(pushed)
+
+
+def _allows(mask_row: torch.Tensor, token: int) -> bool:
+    """Bit ``token`` of one [W] int32 bitmask row."""
+    return bool((int(mask_row[token >> 5]) >> (token & 31)) & 1)
