@@ -259,7 +259,8 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps([asdict(c) for c in cells]))
         return 0
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"# temperature {args.temperature:g}, <= {args.max_tokens} tokens/request, scheduler {args.scheduler}"
+    print(f"# temperature {args.temperature:g}, <= {args.max_tokens} tokens/request, "
+          f"scheduler {args.scheduler}"
           f"{' (always draft)' if args.always_draft else ''}, {torch.get_num_threads()} torch "
           f"threads, load average {load}")
     print(format_table(cells))

@@ -8,9 +8,10 @@ One ``step()`` = schedule, run, commit:
    (``Speculator``), then run ONE target forward over the flattened tokens of all requests
    (prefill chunks + anchor and l_r drafts per decoding request);
 3. build the target distribution at every verified position (penalties with the drafted
-   history, logit bias, the grammar mask after the drafted tokens, warping), verify by rejection sampling (``verify.rejection``), and
-   commit token by token with stop strings, stop tokens, EOS and max_tokens checked after
-   each token; the anchor and accepted drafts enter the drafter's context.
+   history, logit bias, the grammar mask after the drafted tokens, warping), verify by
+   rejection sampling (``verify.rejection``), and commit token by token with stop strings,
+   stop tokens, EOS and max_tokens checked after each token; the anchor and accepted drafts
+   enter the drafter's context.
 
 Grammar-constrained requests (``dspark_serve.structured``) also have their drafts fitted to
 the grammar between 2's drafting and the target forward.

@@ -143,7 +143,7 @@ def create_app(engine) -> FastAPI:
                 prompt_of_choice.append(p)
         spec = requests[0][2].structured
         try:
-            if spec is not None:  # compiled here, off the engine thread; add_request hits the cache
+            if spec is not None:  # compile off the engine thread; add_request hits the cache
                 await asyncio.to_thread(engine.compile_grammar, spec)
             group = await async_engine.submit(requests)
         except ValueError as exc:  # GrammarError and the engine's InvalidParameter name the field

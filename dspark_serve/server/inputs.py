@@ -117,8 +117,8 @@ def grammar_spec(req: SamplingRequest) -> GrammarSpec | None:
         if fmt.type == "json_object":
             return GrammarSpec("json_object")
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise APIError(400, "Missing required parameter: 'response_format.json_schema.schema'.",
-                           param="response_format")
+            raise APIError(400, "Missing required parameter: "
+                                "'response_format.json_schema.schema'.", param="response_format")
         return json_schema_spec(fmt.json_schema.schema_)
     except GrammarError as exc:
         raise APIError(400, str(exc), param=exc.param) from None

@@ -3,8 +3,9 @@
 
 Request models are strict (no "10" for 10, no 1.0 for an integer) and reject unknown fields, as
 OpenAI does; vLLM-style extensions (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos) and SGLang's ``regex`` (structured output) are accepted. Every response carries the extra top-level ``dspark`` field with the
-request's speculative-decoding statistics.
+ignore_eos), ``response_format`` and SGLang's ``regex`` (structured outputs) are accepted.
+Every response carries the extra top-level ``dspark`` field with the request's
+speculative-decoding statistics.
 """
 from __future__ import annotations
 

@@ -19,7 +19,8 @@ EOS = 2
 
 @pytest.mark.parametrize("schema, message", [
     ([1, 2], "expected a JSON object"),
-    ({"type": "object", "allOf": [{"type": "object"}]}, "Unsupported JSON schema keyword 'allOf' at #"),
+    ({"type": "object", "allOf": [{"type": "object"}]},
+     "Unsupported JSON schema keyword 'allOf' at #"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
     ({"properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}},
      "'oneOf' at #/properties/a"),
