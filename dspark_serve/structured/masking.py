@@ -136,22 +136,27 @@ def constrain_drafts(states: Sequence[GrammarState | None], tokens: torch.Tensor
                 if uniforms is None:  # verified and rejected for certain; the rest unused
                     kept = k + 1
                     break
-                q = torch.where(bitmask_to_bool(masks[k], vocab).to(probs.device),
-                                probs[i, k], 0.0)
-                mass = float(q.sum())
-                if mass <= 0.0:
+                # redraw from q restricted to the allowed ids (often a handful: work on those)
+                ids = torch.from_numpy(np.flatnonzero(bitmask_to_bool(masks[k], vocab).numpy()))
+                ids = ids.to(probs.device)
+                weights = probs[i, k, ids]
+                if not bool((weights > 0).any()):
                     kept = k
                     break
-                token = int(sample_from_probs((q / mass)[None], uniforms[i, k][None])[0])
+                token = int(ids[sample_from_probs(weights[None], uniforms[i, k][None])[0]])
                 tokens[i, k] = token
             if not state.accept(token):
                 raise RuntimeError(f"the grammar refused token {token} it allowed")
             pushed += 1
         if uniforms is not None and pushed:
-            # one batched renormalisation of the masked q at every kept position
-            q = probs[i, :pushed]  # a view: masked and renormalised in place
-            q.mul_(bitmask_to_bool(masks[:pushed], vocab).to(probs.device))
-            q.div_(q.sum(dim=-1, keepdim=True))
+            # one batched renormalisation of the masked q at the kept positions that need it
+            # (a one-hot on an allowed token, e.g. a greedy draft, is its own masked q)
+            own = probs[i, :pushed].gather(-1, tokens[i, :pushed, None]).flatten()
+            rows = (own < 1.0).nonzero().flatten()
+            if rows.numel():
+                allowed = bitmask_to_bool(masks[rows.cpu()], vocab).to(probs.device)
+                q = probs[i, rows].masked_fill_(~allowed, 0.0)
+                probs[i, rows] = q.div_(q.sum(dim=-1, keepdim=True))
         lengths[i] = kept
         state.rollback(pushed)
 
