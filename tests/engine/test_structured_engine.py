@@ -176,6 +176,28 @@ def test_max_tokens_cuts_an_unfinished_grammar(engines, generate, prompts):
             check_grammar(engines[mode], rid, c, params[rid])
 
 
+def test_stop_string_cuts_an_unfinished_grammar(engines, generate, prompts, greedy_plain,
+                                                reference_oracle, use_oracle):
+    """A stop string inside the JSON ends the request there ("stop", text before the stop),
+    with speculation exactly where plain decoding ends it."""
+    ids = [rid for rid in prompts if rid.split("-")[0] in SCHEMAS]
+    params = {rid: p for rid, p in params_for(prompts, temperature=0.0).items() if rid in ids}
+    for p in params.values():
+        p.stop = ['":']
+    sub = {rid: prompts[rid] for rid in ids}
+    plain = generate(engines["none"], sub, params)
+    engine = engines["masked"]
+    use_oracle(engine, reference_oracle(
+        engine, {rid: greedy_plain[rid].token_ids for rid in ids}, corrupt=0.0, seed=5))
+    spec = generate(engine, sub, params)
+    for rid in ids:
+        full = greedy_plain[rid].text
+        assert plain[rid].finish_reason == "stop" and plain[rid].text == full[:full.index('":')]
+        assert (spec[rid].token_ids, spec[rid].text) == (plain[rid].token_ids, plain[rid].text)
+        state = engine.grammar_compiler().new_state(params[rid].structured)
+        assert all(state.accept(t) for t in spec[rid].token_ids)
+
+
 class ForbiddenDrafts:
     """Proposes, for every grammar request, the free-text greedy continuation of the same
     prompt (what an unconstrained drafter predicts: its first tokens are forbidden by the
