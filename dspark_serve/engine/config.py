@@ -55,6 +55,10 @@ class EngineConfig:
         expectation than the shipped drafter's, see TRAINING.md).
     lookup_calibration: prompt-lookup survival table JSON (``calibration.lookup``); None =
         the table shipped for the target, if any.
+    mask_drafts: for grammar-constrained requests, restrict each draft distribution to the
+        tokens the grammar allows (redrawing forbidden drafts) before verification; False
+        verifies the drafter's block as drafted (forbidden drafts are then rejected). Both
+        are lossless; masking raises acceptance (``dspark_serve.structured.masking``).
 
     Raises:
         ValueError: a field is out of range or names an unknown mode.
@@ -78,6 +82,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     lookup_min_match: int = 1
     lookup_calibration: str | None = None
+    mask_drafts: bool = True
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("speculative", self.speculative, SPECULATIVE_MODES),

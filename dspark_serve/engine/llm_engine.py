@@ -8,9 +8,13 @@ One ``step()`` = schedule, run, commit:
    (``Speculator``), then run ONE target forward over the flattened tokens of all requests
    (prefill chunks + anchor and l_r drafts per decoding request);
 3. build the target distribution at every verified position (penalties with the drafted
-   history, logit bias, warping), verify by rejection sampling (``verify.rejection``), and
-   commit token by token with stop strings, stop tokens, EOS and max_tokens checked after
-   each token; the anchor and accepted drafts enter the drafter's context.
+   history, logit bias, the grammar mask after the drafted tokens, warping), verify by
+   rejection sampling (``verify.rejection``), and commit token by token with stop strings,
+   stop tokens, EOS and max_tokens checked after each token; the anchor and accepted drafts
+   enter the drafter's context.
+
+Grammar-constrained requests (``dspark_serve.structured``) also have their drafts fitted to
+the grammar between 2's drafting and the target forward.
 
 Plain decoding (``speculative="none"``) is the same step with l_r = 0 and no drafter; so is
 a step whose scheduler finds drafting not worth its time (``Speculator.should_draft``), except
@@ -19,6 +23,7 @@ that the committed token still enters the drafter's context.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +34,7 @@ from dspark_serve.engine.batch import StepPlan, plan_step
 from dspark_serve.engine.commit import commit_tokens
 from dspark_serve.engine.config import DRAFTER_MODES, LOOKUP_MODES, EngineConfig
 from dspark_serve.engine.detokenizer import IncrementalDetokenizer
-from dspark_serve.engine.outputs import RequestFailed, RequestOutput, StepStats
+from dspark_serve.engine.outputs import RequestFailed, RequestOutput, SpecStats, StepStats
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.engine.penalties import apply_penalties, block_history_counts
 from dspark_serve.engine.request import Request
@@ -38,6 +43,9 @@ from dspark_serve.engine.speculator import LookupConfig, Speculator
 from dspark_serve.engine.target_model import TargetModel
 from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.sampling.warping import warp_probs
+from dspark_serve.structured.compiler import GrammarCompiler
+from dspark_serve.structured.masking import constrain_drafts, mask_logits, verify_bitmask
+from dspark_serve.structured.spec import GrammarSpec
 from dspark_serve.verify.rejection import rejection_sample
 
 logger = logging.getLogger(__name__)
@@ -102,13 +110,17 @@ class LLMEngine:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._step_stats: list[StepStats] = []
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first use (~0.5 s)
+        self._grammar_lock = threading.Lock()
+        self._grammar_seconds = 0.0  # this step's grammar work
 
     # ---- public API (see dspark_serve.server.async_engine) ---------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queue a request. Raises ValueError for an empty or too long prompt, token ids
-        outside the vocabulary, a duplicate id or invalid parameters."""
+        outside the vocabulary, a duplicate id or invalid parameters (``GrammarError`` for
+        a structured-output spec that does not compile)."""
         params.validate(self.vocab_size)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -122,8 +134,26 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed & (2**63 - 1))
-        self.waiting.append(Request(request_id, list(prompt_token_ids), params,
-                                    IncrementalDetokenizer(self.tokenizer, params.stop), generator))
+        request = Request(request_id, list(prompt_token_ids), params,
+                          IncrementalDetokenizer(self.tokenizer, params.stop), generator)
+        if params.structured is not None:
+            request.grammar = self.grammar_compiler().new_state(params.structured)
+        self.waiting.append(request)
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler of this engine's tokenizer (built on first call;
+        thread-safe, so the server compiles new specs off the engine thread and
+        ``add_request`` finds them cached)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                         sorted(self.eos_ids))
+            return self._grammar_compiler
+
+    def compile_grammar(self, spec: GrammarSpec) -> None:
+        """Compile ``spec`` into the cache. Raises GrammarError (a ValueError naming the
+        request field) for a schema or regex that cannot be served."""
+        self.grammar_compiler().compile(spec)
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request and free its KV slot now; unknown or finished ids are ignored."""
@@ -152,6 +182,7 @@ class LLMEngine:
                 others are attached.
         """
         start = time.perf_counter()
+        self._grammar_seconds = 0.0
         self._admit()
         if not self.running:
             return []
@@ -160,6 +191,7 @@ class LLMEngine:
         if plan.decode and self.speculator is not None \
                 and self.speculator.should_draft(len(plan.decode)):
             self._propose(plan)
+            self._constrain_drafts(plan)
         d = self.device
         ids, slots, pos, starts = plan.flat_tokens()
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=d)
@@ -199,6 +231,7 @@ class LLMEngine:
         for req in [r for r in reqs if r.finished]:
             self._release(req)
         stats.step_seconds = time.perf_counter() - start
+        stats.grammar_seconds = self._grammar_seconds
         self._step_stats.append(stats)
         if failure is not None:
             failure.outputs = outputs
@@ -232,6 +265,21 @@ class LLMEngine:
         plan.lengths = lengths.cpu()
         plan.gamma = self.gamma
 
+    def _constrain_drafts(self, plan: StepPlan) -> None:
+        """Fit the drafted blocks of grammar-constrained requests to their grammars
+        (``structured.masking.constrain_drafts``; shortens ``plan.lengths``)."""
+        states = [r.grammar for r in plan.decode]
+        if all(s is None for s in states):
+            return
+        start = time.perf_counter()
+        uniforms = None
+        if self.config.mask_drafts:
+            uniforms = draw_uniforms([r.generator or self.generator for r in plan.decode],
+                                     plan.gamma, self.device)
+        plan.lengths = plan.lengths.clone()
+        constrain_drafts(states, plan.block.tokens, plan.block.probs, plan.lengths, uniforms)
+        self._grammar_seconds += time.perf_counter() - start
+
     def _verify(self, plan: StepPlan, reqs: list[Request], lengths: torch.Tensor,
                 logits: torch.Tensor):
         """Target distributions at every verified position, then rejection sampling."""
@@ -243,6 +291,13 @@ class LLMEngine:
         if state is not None:
             history = block_history_counts(drafts, lengths, self.vocab_size) if g else None
             logits = apply_penalties(logits, rows, state, history)
+        states = [r.grammar for r in reqs]
+        if any(s is not None for s in states):
+            start = time.perf_counter()
+            bitmask, masked = verify_bitmask(states, drafts.cpu(), lengths.tolist(),
+                                             self.vocab_size)
+            logits = mask_logits(logits, bitmask, masked)
+            self._grammar_seconds += time.perf_counter() - start
         probs = warp_probs(logits, sampling_tensors(reqs, d).select(rows))
         cols = torch.arange(rows.numel(), device=d) - torch.repeat_interleave(
             torch.cumsum(lengths + 1, 0) - (lengths + 1), lengths + 1)
@@ -263,6 +318,10 @@ class LLMEngine:
         stats.verify_tokens += l_r + 1
         stats.drafted_tokens += self.gamma
         stats.accepted_tokens += n_acc
+        by_format = stats.rounds_by_format.setdefault(req.output_format, SpecStats())
+        by_format.verify_rounds += 1
+        by_format.drafted_tokens += self.gamma
+        by_format.accepted_tokens += n_acc
         if not stats.accepted_per_position:
             stats.accepted_per_position = [0] * self.gamma
             stats.verified_per_position = [0] * self.gamma

@@ -79,6 +79,9 @@ class StepStats:
     rounds: verify rounds this step (one per decoding request with speculation).
     generated_tokens: tokens committed this step (all requests, incl. bonus tokens).
     step_seconds: wall time of the step.
+    grammar_seconds: time spent on grammar masks this step (drafts and verify positions).
+    rounds_by_format: verify rounds, drafted and accepted tokens of this step split by the
+        requests' output format ("text", "json", "regex").
     """
 
     num_running: int = 0
@@ -91,6 +94,8 @@ class StepStats:
     rounds: int = 0
     generated_tokens: int = 0
     step_seconds: float = 0.0
+    grammar_seconds: float = 0.0
+    rounds_by_format: dict[str, SpecStats] = field(default_factory=dict)
 
 
 class RequestFailed(RuntimeError):

@@ -1,5 +1,5 @@
 """Per-request sampling parameters of the embedded engine (OpenAI semantics plus vLLM-style
-extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos).
+extensions: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos; structured outputs).
 
 Speculation never changes what these mean: every parameter acts on the target distribution at
 each verified position exactly as in one-token-at-a-time decoding.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from dspark_serve.structured.spec import GrammarSpec
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -64,6 +66,7 @@ class SamplingParams:
     logit_bias: token id -> bias in [-100, 100] added to the target logits.
     logprobs: return the log-probability of each sampled token; top_logprobs: also the top
     0..20 alternatives per position (requires logprobs).
+    structured: the grammar the output must match (JSON object / schema, regex), or None.
     """
 
     n: int = 1
@@ -82,6 +85,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    structured: GrammarSpec | None = None
 
     def validate(self, vocab_size: int) -> None:
         """Check every field against its range for a vocabulary of ``vocab_size`` tokens.

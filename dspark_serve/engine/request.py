@@ -14,6 +14,7 @@ import torch
 from dspark_serve.engine.detokenizer import IncrementalDetokenizer
 from dspark_serve.engine.outputs import SpecStats
 from dspark_serve.engine.params import SamplingParams
+from dspark_serve.structured.compiler import GrammarState
 
 
 @dataclass(eq=False)
@@ -34,6 +35,12 @@ class Request:
     finish_reason: str | None = None
     emitted_tokens: int = 0         # output tokens already returned in a RequestOutput
     emitted_logprobs: int = 0
+    grammar: GrammarState | None = None  # at the committed output; None = unconstrained
+
+    @property
+    def output_format(self) -> str:
+        """Metrics label of the request's output: "text", "json" or "regex"."""
+        return "text" if self.params.structured is None else self.params.structured.format
 
     @property
     def num_tokens(self) -> int:

@@ -141,10 +141,13 @@ def create_app(engine) -> FastAPI:
             for choice in expand_choices(params):
                 requests.append((f"{base}-{len(requests)}", prompt, choice))
                 prompt_of_choice.append(p)
+        spec = requests[0][2].structured
         try:
+            if spec is not None:  # compile off the engine thread; add_request hits the cache
+                await asyncio.to_thread(engine.compile_grammar, spec)
             group = await async_engine.submit(requests)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+        except ValueError as exc:  # GrammarError and the engine's InvalidParameter name the field
+            raise APIError(400, str(exc), param=getattr(exc, "param", None)) from None
         except EngineError as exc:
             raise APIError(503, str(exc), type="server_error") from None
         builder = ResponseBuilder(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + base,

@@ -53,6 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--always-draft", action="store_true",
                    help="draft every step, even where the async scheduler measures drafting "
                         "to cost more than it brings (default: skip those drafts)")
+    p.add_argument("--no-mask-drafts", dest="mask_drafts", action="store_false",
+                   help="structured outputs: verify drafts as drafted instead of restricting "
+                        "them to the grammar first (both exact; masking accepts more)")
     p.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
                    help="engine RNG seed (default: %(default)s)")
     p.add_argument("--threads", type=int,
@@ -82,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold, lookup_calibration=args.lookup_calibration,
-        lookup_min_match=args.lookup_min_match)
+        lookup_min_match=args.lookup_min_match, mask_drafts=args.mask_drafts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,6 +13,8 @@ from dspark_serve.engine.params import (MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN, In
                                         SamplingParams)
 from dspark_serve.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                           SamplingRequest)
+from dspark_serve.structured.spec import (GrammarError, GrammarSpec, json_schema_spec,
+                                          regex_spec)
 
 M = TypeVar("M", bound=BaseModel)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -96,6 +98,32 @@ def completion_prompts(tokenizer, req: CompletionRequest, vocab_size: int) -> li
     return prompts
 
 
+def grammar_spec(req: SamplingRequest) -> GrammarSpec | None:
+    """The output constraint of ``response_format`` or ``regex`` (at most one), or None.
+
+    Raises APIError 400 for both at once, a json_schema format without a schema, and a schema
+    or regex that ``dspark_serve.structured.spec`` refuses (invalid or unsupported keyword).
+    """
+    fmt = req.response_format
+    constrained = fmt is not None and fmt.type != "text"
+    if constrained and req.regex is not None:
+        raise APIError(400, "Only one of 'response_format' and 'regex' may constrain the output.",
+                       param="regex")
+    try:
+        if req.regex is not None:
+            return regex_spec(req.regex)
+        if not constrained:
+            return None
+        if fmt.type == "json_object":
+            return GrammarSpec("json_object")
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, "Missing required parameter: "
+                                "'response_format.json_schema.schema'.", param="response_format")
+        return json_schema_spec(fmt.json_schema.schema_)
+    except GrammarError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
+
+
 def sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
                     vocab_size: int) -> SamplingParams:
     """Engine parameters of one prompt, checked against the context and vocabulary.
@@ -147,7 +175,8 @@ def sampling_params(req: SamplingRequest, prompt_len: int, max_model_len: int,
         seed=req.seed, frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=bias, logprobs=logprobs, top_logprobs=top_logprobs)
+        logit_bias=bias, logprobs=logprobs, top_logprobs=top_logprobs,
+        structured=grammar_spec(req))
     try:
         params.validate(vocab_size)
     except InvalidParameter as exc:

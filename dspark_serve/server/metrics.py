@@ -12,6 +12,7 @@ from dspark_serve.engine.outputs import StepStats
 
 THROUGHPUT_WINDOW_S = 10.0
 VERIFY_BUDGET_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+GRAMMAR_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
 
 
 class ServerMetrics:
@@ -45,6 +46,20 @@ class ServerMetrics:
         self.waiting = Gauge("dspark_num_requests_waiting", "Requests queued after the last step.",
                              registry=r)
         self.kv_free = Gauge("dspark_kv_free_tokens", "Free KV-cache slots, in tokens.", registry=r)
+        self.grammar_time = Histogram("dspark_grammar_mask_seconds",
+                                      "Grammar mask time of one engine step (steps with "
+                                      "structured-output requests only).",
+                                      buckets=GRAMMAR_BUCKETS, registry=r)
+        # tau of one output format = (accepted + rounds) / rounds of that format
+        self.format_rounds = Counter("dspark_format_verify_rounds",
+                                     "Verify rounds by the request's output format.",
+                                     ["format"], registry=r)
+        self.format_drafted = Counter("dspark_format_drafted_tokens",
+                                      "Draft tokens proposed, by output format.", ["format"],
+                                      registry=r)
+        self.format_accepted = Counter("dspark_format_accepted_tokens",
+                                       "Draft tokens accepted, by output format (text, json, "
+                                       "regex).", ["format"], registry=r)
         self.finished = Counter("dspark_requests_finished", "Finished requests by reason.",
                                 ["finish_reason"], registry=r)
         Gauge("dspark_mean_accepted_length",
@@ -74,6 +89,12 @@ class ServerMetrics:
             if s.rounds:
                 self.verify_budget.observe(s.verify_tokens)
             self.step_time.observe(s.step_seconds)
+            if s.grammar_seconds:
+                self.grammar_time.observe(s.grammar_seconds)
+            for fmt, spec in s.rounds_by_format.items():
+                self.format_rounds.labels(format=fmt).inc(spec.verify_rounds)
+                self.format_drafted.labels(format=fmt).inc(spec.drafted_tokens)
+                self.format_accepted.labels(format=fmt).inc(spec.accepted_tokens)
             self.running.set(s.num_running)
             self.waiting.set(s.num_waiting)
             with self._lock:

@@ -3,14 +3,15 @@
 
 Request models are strict (no "10" for 10, no 1.0 for an integer) and reject unknown fields, as
 OpenAI does; vLLM-style extensions (top_k, min_p, repetition_penalty, stop_token_ids,
-ignore_eos) are accepted. Every response carries the extra top-level ``dspark`` field with the
-request's speculative-decoding statistics.
+ignore_eos), ``response_format`` and SGLang's ``regex`` (structured outputs) are accepted.
+Every response carries the extra top-level ``dspark`` field with the request's
+speculative-decoding statistics.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Request(BaseModel):
@@ -19,6 +20,20 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool | None = False
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema`` (OpenAI): the schema is under ``schema``."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(_Request):
@@ -43,6 +58,9 @@ class SamplingRequest(_Request):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
+    response_format: ResponseFormat | None = None
+    # SGLang-style extension: the whole output must match this regular expression
+    regex: str | None = None
 
 
 class TextPart(_Request):

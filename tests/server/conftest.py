@@ -72,6 +72,8 @@ class FakeEngine:
         self.running: dict[str, _Req] = {}
         self.waiting: collections.deque[_Req] = collections.deque()
         self.added: list[str] = []
+        self.added_params: dict[str, SamplingParams] = {}
+        self.compiled: list = []  # GrammarSpecs passed to compile_grammar (never enforced)
         self.aborted: list[str] = []
         self._stats: list[StepStats] = []
 
@@ -88,6 +90,10 @@ class FakeEngine:
             rng = random.Random(None if params.seed is None else params.seed * 1_000_003 + key)
         self.waiting.append(_Req(request_id, list(prompt_token_ids), params, rng))
         self.added.append(request_id)
+        self.added_params[request_id] = params
+
+    def compile_grammar(self, spec) -> None:
+        self.compiled.append(spec)
 
     def abort_request(self, request_id: str) -> None:
         if self.running.pop(request_id, None) is not None:

@@ -81,6 +81,21 @@ CASES = [
     ("prompt-wrong-type", COMP, comp(prompt=5), 400, "prompt", "valid"),
     ("echo-unsupported", COMP, comp(echo=True), 400, "echo", "not supported"),
     ("suffix-unsupported", COMP, comp(suffix="end"), 400, "suffix", "not supported"),
+    ("response-format-type", CHAT, chat(response_format={"type": "xml"}), 400,
+     "response_format", "response_format.type"),
+    ("response-format-no-schema", COMP, comp(response_format={
+        "type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format",
+     "Missing required parameter: 'response_format.json_schema.schema'"),
+    ("response-format-unsupported-keyword", CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}), 400,
+     "response_format", "Unsupported JSON schema keyword 'not' at #"),
+    ("response-format-invalid-schema", COMP, comp(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}), 400,
+     "response_format", "Invalid 'response_format.json_schema.schema' at type"),
+    ("regex-and-response-format", CHAT, chat(regex="a+", response_format={
+        "type": "json_object"}), 400, "regex", "Only one of 'response_format' and 'regex'"),
+    ("regex-empty", COMP, comp(regex=""), 400, "regex", "non-empty string"),
+    ("regex-wrong-type", COMP, comp(regex=["a"]), 400, "regex", "valid string"),
 ]
 
 
