@@ -23,6 +23,7 @@ if "OMP_WAIT_POLICY" not in os.environ:
 # subcommand -> module providing add_parser()
 SUBCOMMANDS = {
     "bench": "dspark_serve.bench.cli",
+    "cache-features": "dspark_serve.training.cache_features",
     "calibrate": "dspark_serve.eval.calibrate_cli",
     "eval": "dspark_serve.eval.eval_cli",
     "gen-data": "dspark_serve.training.gen_data_cli",
