@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "gen-data": "dspark_serve.training.gen_data_cli",
     "loadtest": "loadtest.cli",
     "profile": "profiler.cli",
+    "prune-vocab": "dspark_serve.training.prune_vocab_cli",
     "serve": "dspark_serve.server.cli",
     "train": "dspark_serve.training.train_cli",
 }

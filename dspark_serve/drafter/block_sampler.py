@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dspark_serve.drafter.confidence_head import ConfidenceHead
+from dspark_serve.drafter.draft_vocab import scatter_to_vocab
 from dspark_serve.drafter.markov_head import MarkovHead
 from dspark_serve.ops.extension import use_cuda_kernel
 from dspark_serve.ops.markov import markov_sample, sequential_sample
@@ -27,20 +28,25 @@ from dspark_serve.types import DraftBlock, SamplingTensors
 
 def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens: torch.Tensor,
                  head: nn.Module | None, confidence_head: ConfidenceHead | None,
-                 sampling: SamplingTensors, uniforms: torch.Tensor) -> DraftBlock:
+                 sampling: SamplingTensors, uniforms: torch.Tensor, *,
+                 draft_vocab: torch.Tensor | None = None,
+                 vocab_size: int | None = None) -> DraftBlock:
     """Draw x_1..x_gamma for R blocks (Eq 4) and their confidence logits (Eq 7).
 
     Args:
-        base_logits: [R, gamma, V] float, U_k.
+        base_logits: [R, gamma, V_d] float, U_k over the draft vocabulary.
         hidden: [R, gamma, d] backbone hidden states h_k.
         anchor_tokens: [R] int64, x_0.
         head: sequential head (``MarkovHead``/``GatedMarkovHead``/``RNNHead``) or None.
         confidence_head: ``ConfidenceHead`` or None (then conf_logits are zeros).
         sampling: ``SamplingTensors`` with R rows.
         uniforms: [R, gamma] float32 in [0, 1); position k uses column k-1.
+        draft_vocab: [V_d] int64 target ids of a pruned draft vocabulary (None: V_d = V);
+            vocab_size: V, required with it.
     Returns:
-        ``DraftBlock`` (tokens [R, gamma] int64, probs [R, gamma, V] float32 = the warped
-        p_d each token was drawn from, conf_logits [R, gamma] float32).
+        ``DraftBlock`` (tokens [R, gamma] int64 target ids, probs [R, gamma, V] float32 = the
+        warped p_d each token was drawn from, 0 outside the draft vocabulary, conf_logits
+        [R, gamma] float32).
     Raises:
         ValueError: inconsistent shapes or dtypes.
     """
@@ -48,7 +54,11 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens:
     if uniforms.shape != (r, gamma) or uniforms.dtype != torch.float32:
         raise ValueError(f"uniforms must be float32 [{r}, {gamma}], got {uniforms.dtype} "
                          f"{tuple(uniforms.shape)}")
-    if (type(head) is MarkovHead and use_cuda_kernel(base_logits)
+    if draft_vocab is not None and (vocab_size is None
+                                    or draft_vocab.shape != (base_logits.shape[2],)):
+        raise ValueError(f"draft_vocab must be [{base_logits.shape[2]}] (the logits' width) "
+                         f"and needs vocab_size")
+    if (draft_vocab is None and type(head) is MarkovHead and use_cuda_kernel(base_logits)
             and (confidence_head is None or confidence_head.markov_rank == head.rank)):
         conf = () if confidence_head is None else (confidence_head.proj.weight.view(-1),
                                                    confidence_head.proj.bias)
@@ -60,10 +70,15 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens:
 
         def bias_step(k: int, prev: torch.Tensor) -> torch.Tensor:
             nonlocal state
+            # the head conditions on target ids: x_0 is one, later draws index draft_vocab
+            if k and draft_vocab is not None:
+                prev = draft_vocab[prev]
             state, bias = head.step(state, prev, hidden[:, k])
             return bias
 
     tokens, probs = sequential_sample(base_logits, anchor_tokens, bias_step, sampling, uniforms)
+    if draft_vocab is not None:
+        tokens, probs = draft_vocab[tokens], scatter_to_vocab(probs, draft_vocab, vocab_size)
     conf = confidence_logits(hidden, _prev_tokens(anchor_tokens, tokens), head, confidence_head)
     return DraftBlock(tokens=tokens, probs=probs, conf_logits=conf)
 
@@ -77,7 +92,8 @@ def teacher_forced(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_token
         base_logits, hidden, anchor_tokens, head, confidence_head: as ``sample_block``.
         tokens: [R, gamma] int64, x_1..x_gamma (x_k conditions positions > k only).
     Returns:
-        logits [R, gamma, V] float32 (U_k + B_k, unwarped), conf_logits [R, gamma] float32.
+        logits [R, gamma, V_d] float32 (U_k + B_k, unwarped, over the draft vocabulary),
+        conf_logits [R, gamma] float32.
     Raises:
         ValueError: inconsistent shapes or dtypes.
     """

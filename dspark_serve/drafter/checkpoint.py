@@ -9,7 +9,10 @@ Both formats are a folder with ``config.json`` and ``model.safetensors`` (or sha
 ``markov_head.markov_w1.weight`` [V, r], ``markov_head.markov_w2.weight`` [V, r],
 ``markov_head.gate_proj.{weight,bias}`` (gated head), ``markov_head.joint_proj.{weight,bias}``
 [3r, 2r+d] (RNN head) and ``confidence_head.proj.{weight,bias}`` [1, d(+r)], [1]
-(``deepspec/modeling/dspark/{markov_head,common}.py``, ``qwen3/modeling.py``).
+(``deepspec/modeling/dspark/{markov_head,common}.py``, ``qwen3/modeling.py``). A pruned
+draft vocabulary (``draft_vocab_size`` N in config.json) adds ``d2t`` [N] int64 and ``t2d``
+[V] bool (EAGLE-3's names and convention, ``dspark_serve.drafter.draft_vocab``), and
+``markov_w2`` is then [N, r].
 
 Shared modules: DeepSpec's ``Qwen3DSparkModel`` owns frozen copies of the target's embedding
 and LM head, and ``save_pretrained`` writes them (``embed_tokens.weight``, ``lm_head.weight``);
@@ -34,6 +37,7 @@ drafter cannot be saved in the DeepSpec format (``DSparkConfig.to_deepspec_dict`
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -42,6 +46,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dspark_serve.drafter.config import DEEPSPEC_ARCHITECTURE, DFLASH_ARCHITECTURE, DSparkConfig
+from dspark_serve.drafter.draft_vocab import (check_token_ids, d2t_from_ids, ids_from_d2t,
+                                              pruned_lm_head, t2d_mask)
 from dspark_serve.drafter.model import DSparkDrafter
 
 CONFIG_FILE = "config.json"
@@ -51,6 +57,9 @@ SHARED_KEYS = ("embed_tokens.weight", "lm_head.weight")
 _BACKBONE_PREFIX = "backbone."
 # Non-persistent RoPE tables some transformers versions still write; recomputed here.
 _IGNORED_PREFIXES = ("rotary_emb.",)
+# Tensors kept at the top level of the state_dict (everything else is the backbone's).
+_TOP_LEVEL = ("markov_head.", "confidence_head.", "d2t")
+T2D_KEY = "t2d"
 
 
 def read_config(path: str | Path) -> DSparkConfig:
@@ -72,11 +81,16 @@ def load_drafter(path: str | Path, embed_tokens: Callable[[torch.Tensor], torch.
                  device: torch.device | str = "cpu") -> DSparkDrafter:
     """Load a DeepSpec or DFlash drafter folder onto the target's embedding and LM head.
 
-    Tensors keep the file's dtype unless ``dtype`` is given. Raises ValueError for a bad
-    config, missing, unexpected or mis-shaped tensors.
+    Tensors keep the file's dtype unless ``dtype`` is given. With a pruned draft vocabulary
+    the drafter's head is ``lm_head.weight``'s rows at the checkpoint's ids
+    (``draft_vocab.pruned_lm_head``). Raises ValueError for a bad config, missing, unexpected
+    or mis-shaped tensors, an invalid ``d2t`` / ``t2d``, or a pruned drafter whose
+    ``lm_head`` has no ``weight``.
     """
     config = read_config(path)
     tensors = _read_tensors(Path(path))
+    if config.draft_vocab_size is not None:
+        lm_head = _pruned_head(config, tensors, lm_head)
     for key in SHARED_KEYS:
         t = tensors.pop(key, None)
         if t is not None and tuple(t.shape) != (config.vocab_size, config.hidden_size):
@@ -109,6 +123,8 @@ def save_drafter(drafter: DSparkDrafter, path: str | Path, *, include_shared: bo
     """
     config = drafter.config.to_deepspec_dict()
     tensors = {to_file_key(k): t.detach().contiguous() for k, t in drafter.state_dict().items()}
+    if drafter.draft_vocab is not None:
+        tensors[T2D_KEY] = t2d_mask(drafter.draft_vocab, drafter.config.vocab_size)
     if include_shared:
         for key, module in zip(SHARED_KEYS, drafter.shared_modules):
             weight = getattr(module, "weight", None)
@@ -132,7 +148,25 @@ def to_file_key(name: str) -> str:
 
 def from_file_key(key: str) -> str:
     """Checkpoint tensor name -> our state_dict name."""
-    return key if key.startswith(("markov_head.", "confidence_head.")) else _BACKBONE_PREFIX + key
+    return key if key.startswith(_TOP_LEVEL) else _BACKBONE_PREFIX + key
+
+
+def _pruned_head(config: DSparkConfig, tensors: dict[str, torch.Tensor], lm_head):
+    """Check ``d2t`` / ``t2d`` (``t2d`` is popped: it is derived) and return the pruned head."""
+    d2t = tensors.get("d2t")
+    if d2t is None or d2t.shape != (config.draft_vocab_size,):
+        raise ValueError(f"a drafter with draft_vocab_size {config.draft_vocab_size} needs d2t "
+                         f"[{config.draft_vocab_size}], got "
+                         f"{None if d2t is None else tuple(d2t.shape)}")
+    ids = ids_from_d2t(d2t.long())
+    check_token_ids(ids, config.vocab_size)
+    t2d = tensors.pop(T2D_KEY, None)
+    if t2d is not None and not torch.equal(t2d.bool(), t2d_mask(ids, config.vocab_size)):
+        raise ValueError("t2d does not match d2t")
+    weight = getattr(lm_head, "weight", None)
+    if weight is None:
+        raise ValueError("a pruned draft vocabulary needs the target's LM head with a weight")
+    return pruned_lm_head(weight, ids)
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -149,3 +183,36 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
     return tensors
+
+
+def prune_draft_vocab(path: str | Path, out: str | Path, token_ids: torch.Tensor) -> DSparkConfig:
+    """Write the drafter folder at ``path`` to ``out`` with its draft vocabulary pruned to
+    ``token_ids`` ([N] int64 ascending target ids): ``markov_w2`` keeps those rows, ``d2t`` /
+    ``t2d`` are added, config.json gets ``draft_vocab_size``; other files (e.g. the STS
+    calibration) are copied. Returns the new config.
+
+    Raises:
+        ValueError: a DFlash-aligned or already pruned drafter, or invalid ``token_ids``.
+    """
+    config = read_config(path)
+    if config.draft_vocab_size is not None:
+        raise ValueError(f"{path} already has a pruned draft vocabulary")
+    check_token_ids(token_ids, config.vocab_size)
+    config.draft_vocab_size = int(token_ids.numel())
+    data = config.to_deepspec_dict()
+    tensors = _read_tensors(Path(path))
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:
+        tensors[w2] = tensors[w2].index_select(0, token_ids).contiguous()
+    tensors["d2t"] = d2t_from_ids(token_ids)
+    tensors[T2D_KEY] = t2d_mask(token_ids, config.vocab_size)
+    dst = Path(out)
+    dst.mkdir(parents=True, exist_ok=True)
+    for extra in Path(path).iterdir():
+        if extra.is_file() and extra.name not in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) \
+                and not extra.name.startswith("model-"):
+            shutil.copyfile(extra, dst / extra.name)
+    save_file(tensors, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
+    (dst / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
+                                   encoding="utf-8")
+    return config

@@ -36,6 +36,8 @@ class DSparkConfig:
     at positions anchor_pos + 0..block_size-1). ``label_offset`` is the first slot whose
     output is a draft logit: 0 in DeepSpec (slot j predicts x_{j+1}; gamma = block_size), 1 in
     z-lab DFlash (slot j predicts x_j; the anchor's output is unused; gamma = block_size - 1).
+    ``draft_vocab_size`` N prunes the draft output vocabulary to N target tokens (their ids in
+    the checkpoint's ``d2t``, ``dspark_serve.drafter.draft_vocab``); None = the full vocabulary.
     ``extra`` keeps every other config.json key so a load/save round trip is lossless.
     """
 
@@ -59,6 +61,7 @@ class DSparkConfig:
     confidence_head_with_markov: bool = False
     num_anchors: int = DEFAULT_NUM_ANCHORS
     label_offset: int = 0
+    draft_vocab_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,6 +114,9 @@ class DSparkConfig:
             raise ValueError("confidence_head_with_markov needs enable_confidence_head")
         if self.confidence_head_with_markov and self.markov_rank == 0:
             raise ValueError("confidence_head_with_markov needs markov_rank > 0")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in 1..{self.vocab_size}, got "
+                             f"{self.draft_vocab_size}")
 
     # ---- DeepSpec config.json -------------------------------------------------------------
 
@@ -133,6 +139,7 @@ class DSparkConfig:
             num_target_layers=int(_pop_required(cfg, "num_target_layers")),
             num_anchors=int(cfg.pop("num_anchors", DEFAULT_NUM_ANCHORS)),
             markov_rank=rank,
+            draft_vocab_size=_optional_int(cfg.pop("draft_vocab_size", None)),
             markov_head_type=str(_pop_required(cfg, "markov_head_type") if rank > 0
                                  else cfg.pop("markov_head_type", "vanilla")).lower(),
             enable_confidence_head=conf,
@@ -169,6 +176,8 @@ class DSparkConfig:
             out["rope_parameters"] = {**out["rope_parameters"], "rope_theta": self.rope_theta}
         else:
             out["rope_theta"] = self.rope_theta
+        if self.draft_vocab_size is not None:
+            out["draft_vocab_size"] = self.draft_vocab_size
         if self.markov_rank > 0:
             out["markov_head_type"] = self.markov_head_type
         if self.enable_confidence_head:
@@ -212,6 +221,10 @@ def default_dflash_target_layer_ids(num_target_layers: int, num_draft_layers: in
     first, last = 1, num_target_layers - 3
     return [int(round(first + i * (last - first) / (num_draft_layers - 1)))
             for i in range(num_draft_layers)]
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _pop_required(cfg: dict[str, Any], key: str) -> Any:

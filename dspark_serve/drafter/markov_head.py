@@ -2,7 +2,8 @@
 
 B(x_{k-1}, .) = W1[x_{k-1}] W2 with W1 in R^{V x r} (an embedding table, ``markov_w1``) and
 W2 in R^{r x V} (a bias-free logit projection, ``markov_w2``, stored as nn.Linear weight
-[V, r]); tensor names as DeepSpec's ``deepspec/modeling/dspark/markov_head.py::VanillaMarkov``.
+[V, r]; [N, r] over a pruned draft vocabulary of N tokens, while W1 keeps all V rows because
+x_{k-1} may be any target token); tensor names as DeepSpec's ``deepspec/modeling/dspark/markov_head.py::VanillaMarkov``.
 x_0 is the anchor token: position 1's bias conditions on it. Also DeepSpec's gated variant
 (``markov_head_type: gated``): B = W2 (sigma(gate_proj[h_k; W1[x_{k-1}]]) * W1[x_{k-1}]).
 
@@ -21,13 +22,13 @@ class MarkovHead(nn.Module):
 
     recurrent = False
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, out_vocab_size: int | None = None):
         super().__init__()
         if rank <= 0:
             raise ValueError(f"a Markov head needs rank > 0, got {rank}")
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, out_vocab_size or vocab_size, bias=False)
 
     def prev_embedding(self, prev_tokens: torch.Tensor) -> torch.Tensor:
         """W1[x_{k-1}]: [...] int64 -> [..., r] (also the confidence head's Markov feature)."""
@@ -40,15 +41,16 @@ class MarkovHead(nn.Module):
     def step(self, state: torch.Tensor | None, prev_tokens: torch.Tensor,
              hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Bias for one position: prev_tokens [...] int64, hidden [..., d] (h_k, unused here).
-        Returns (state, bias [..., V] in the head's dtype)."""
+        Returns (state, bias [..., V or N] in the head's dtype)."""
         return state, self.markov_w2(self.prev_embedding(prev_tokens))
 
 
 class GatedMarkovHead(MarkovHead):
     """Markov bias with a per-position gate on the token embedding, computed from h_k."""
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int,
+                 out_vocab_size: int | None = None):
+        super().__init__(vocab_size, rank, out_vocab_size)
         self.gate_proj = nn.Linear(hidden_size + rank, rank)
 
     def step(self, state: torch.Tensor | None, prev_tokens: torch.Tensor,

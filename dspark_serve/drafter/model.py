@@ -14,7 +14,8 @@ Engine protocol, per request slot s (positions are absolute token positions):
    are projected; rejected drafts never enter the cache.
 
 Shape symbols: R requests in the round, N context tokens added, gamma draft tokens, V vocab,
-d hidden size, C = len(target_layer_ids) * d (the concatenated target taps).
+V_d the draft vocabulary (V, or ``draft_vocab_size`` when pruned: ``draft_vocab``), d hidden
+size, C = len(target_layer_ids) * d (the concatenated target taps).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from dspark_serve.drafter.block_sampler import sample_block, teacher_forced
 from dspark_serve.drafter.confidence_head import ConfidenceHead
 from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.context_cache import DraftContextCache
+from dspark_serve.drafter.draft_vocab import ids_from_d2t
 from dspark_serve.drafter.markov_head import GatedMarkovHead, MarkovHead
 from dspark_serve.drafter.rnn_head import RNNHead
 from dspark_serve.types import DraftBlock, SamplingTensors
@@ -38,21 +40,24 @@ def build_sequential_head(cfg: DSparkConfig) -> MarkovHead | None:
     if cfg.markov_rank == 0:
         return None
     if cfg.markov_head_type == "vanilla":
-        return MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        return MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab_size)
     cls = GatedMarkovHead if cfg.markov_head_type == "gated" else RNNHead
-    return cls(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size)
+    return cls(cfg.vocab_size, cfg.markov_rank, cfg.hidden_size, cfg.draft_vocab_size)
 
 
 class DSparkDrafter(nn.Module):
     """The drafter. Its parameters (``state_dict``) are the backbone (under ``backbone.``),
-    ``markov_head.*`` and ``confidence_head.*``; the target's embedding and LM head are held
-    by reference, never registered, moved or saved.
+    ``markov_head.*``, ``confidence_head.*`` and, with a pruned draft vocabulary, the buffer
+    ``d2t`` [V_d] int64 (EAGLE-3 offsets, ``dspark_serve.drafter.draft_vocab``); the target's
+    embedding and LM head are held by reference, never registered, moved or saved.
 
     Args:
         config: ``DSparkConfig``.
         embed_tokens: the target's token embedding, int64 [...] -> [..., d].
-        lm_head: the target's LM head, [..., d] -> [..., V]; if it has a ``weight``,
-            hidden states are cast to that dtype first.
+        lm_head: the draft LM head, [..., d] -> [..., V_d]: the target's head, or for a pruned
+            vocabulary its rows at ``draft_vocab`` (``draft_vocab.pruned_lm_head``, which the
+            checkpoint loader builds); if it has a ``weight``, hidden states are cast to that
+            dtype first.
     """
 
     def __init__(self, config: DSparkConfig, embed_tokens: Callable[[torch.Tensor], torch.Tensor],
@@ -66,6 +71,15 @@ class DSparkDrafter(nn.Module):
                                 if config.enable_confidence_head else None)
         # A tuple keeps nn.Module from registering the target's modules as our children.
         self._shared = (embed_tokens, lm_head)
+        if config.draft_vocab_size is not None:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        else:
+            self.d2t = None
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        """[V_d] int64 ascending target ids of a pruned draft vocabulary; None = all V."""
+        return None if self.d2t is None else ids_from_d2t(self.d2t)
 
     @property
     def shared_modules(self) -> tuple[Callable, Callable]:
@@ -114,7 +128,7 @@ class DSparkDrafter(nn.Module):
             slots, anchor_tokens, anchor_positions: [R] int64; anchor_positions[r] <= the
                 cached context length of slots[r].
         Returns:
-            hidden [R, gamma, d] (drafter dtype), base_logits [R, gamma, V] (LM-head dtype).
+            hidden [R, gamma, d] (drafter dtype), base_logits [R, gamma, V_d] (LM-head dtype).
         Raises:
             ValueError: bad shapes or an anchor past its slot's cached context.
         """
@@ -151,18 +165,21 @@ class DSparkDrafter(nn.Module):
             sampling: ``SamplingTensors`` with R rows (same warping as the verifier).
             uniforms: [R, gamma] float32 in [0, 1), one per draft position.
         Returns:
-            ``DraftBlock``: tokens [R, gamma] int64, probs [R, gamma, V] float32,
-            conf_logits [R, gamma] float32 (zeros without a confidence head).
+            ``DraftBlock``: tokens [R, gamma] int64 target ids, probs [R, gamma, V] float32
+            (exactly 0 outside a pruned draft vocabulary), conf_logits [R, gamma] float32
+            (zeros without a confidence head).
         """
         hidden, base_logits = self.block_forward(cache, slots, anchor_tokens, anchor_positions)
         return sample_block(base_logits, hidden, anchor_tokens, self.markov_head,
-                            self.confidence_head, sampling, uniforms)
+                            self.confidence_head, sampling, uniforms,
+                            draft_vocab=self.draft_vocab, vocab_size=self.config.vocab_size)
 
     def teacher_forced(self, cache: DraftContextCache, slots: torch.Tensor,
                        anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
                        tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq 4 logits [R, gamma, V] float32 and confidence logits [R, gamma] float32 of
-        given draft tokens [R, gamma] int64, in one backbone pass. Gradients reach the block
+        """Eq 4 logits [R, gamma, V_d] float32 (over the draft vocabulary) and confidence
+        logits [R, gamma] float32 of given draft tokens [R, gamma] int64 (target ids), in one
+        backbone pass. Gradients reach the block
         path and the heads but not the cached context K/V (``extend_context`` runs without
         grad); training passes its own context to ``DFlashBackbone.forward`` built with
         ``DFlashBackbone.context_kv`` and then calls ``block_sampler.teacher_forced``."""

@@ -20,8 +20,9 @@ class RNNHead(MarkovHead):
 
     recurrent = True
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
-        super().__init__(vocab_size, rank)
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int,
+                 out_vocab_size: int | None = None):
+        super().__init__(vocab_size, rank, out_vocab_size)
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
 
     def init_state(self, batch_shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,10 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
         target: ``dspark_serve.engine.target_model.TargetModel``.
     """
     if path is not None:
-        drafter = load_drafter(path, target.embed_tokens, target.head_logits, dtype=target.dtype,
+        # a pruned draft vocabulary slices rows of the LM head's weight (the serving head is
+        # packed and has none); its head is packed below like the drafter's own linears
+        head = target.lm_head if config.draft_vocab_size is not None else target.head_logits
+        drafter = load_drafter(path, target.embed_tokens, head, dtype=target.dtype,
                                device=target.device)
     else:
         logger.warning("no trained drafter for this target: using an untrained one (outputs "
@@ -110,4 +113,6 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
         drafter = drafter.to(device=target.device, dtype=target.dtype)
     drafter.eval().requires_grad_(False)
     pack_linears(drafter)
+    if drafter.draft_vocab is not None:
+        pack_linears(drafter.shared_modules[1])
     return drafter

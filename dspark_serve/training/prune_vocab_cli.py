@@ -1,0 +1,43 @@
+"""``dspark-serve prune-vocab``: cut a drafter's output vocabulary to the N target tokens most
+frequent in ShareGPT's assistant answers (FR-Spec / EAGLE-3 style; ``drafter.draft_vocab``).
+
+Ranked on a large answer corpus, not on the target's own outputs (issue 15: ranking by ~70k
+target tokens covers 83 % of held-out outputs at N = 16k; ShareGPT's answers cover 96 %).
+MT-Bench, HumanEval and AlpacaEval are never read.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("prune-vocab", help="prune a drafter's draft vocabulary",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--draft", required=True, help="drafter folder (DeepSpec format)")
+    p.add_argument("--out", required=True, help="output drafter folder")
+    p.add_argument("--size", type=int, default=16384, help="draft vocabulary size N")
+    p.add_argument("--model", default=None, help="target HF folder (its tokenizer ranks the "
+                                                 "corpus; default: SmolLM2-135M-Instruct)")
+    p.add_argument("--corpus-limit", type=int, default=None,
+                   help="ShareGPT answers read (default: all)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from dspark_serve.data.prompt_sets import load_records
+    from dspark_serve.drafter.checkpoint import prune_draft_vocab, read_config
+    from dspark_serve.drafter.draft_vocab import most_frequent_tokens
+    from dspark_serve.models.default_model import default_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path())
+    answers = [r.reference for r in load_records("sharegpt", args.corpus_limit) if r.reference]
+    streams = tokenizer(answers, add_special_tokens=False)["input_ids"]
+    vocab = read_config(args.draft).vocab_size
+    ids = most_frequent_tokens(streams, args.size, vocab)
+    prune_draft_vocab(args.draft, args.out, ids)
+    tokens = sum(len(s) for s in streams)
+    print(f"dspark-serve prune-vocab: {args.size} of {vocab} tokens from {len(answers)} answers "
+          f"({tokens} tokens) -> {args.out}")
+    return 0
