@@ -13,10 +13,10 @@ from dspark_serve.training.feature_cache import CachedSequence, target_logits_ro
 
 @dataclass
 class DraftSpaceTargets:
-    """target_logp [A, gamma, N] float32 log p_t on the draft vocabulary; greedy [A, gamma]
+    """target_probs [A, gamma, N] float32 p_t on the draft vocabulary; greedy [A, gamma]
     int64 draft index of the target's greedy token (-1: outside); label_mask [A, gamma] bool."""
 
-    target_logp: torch.Tensor
+    target_probs: torch.Tensor
     greedy: torch.Tensor
     label_mask: torch.Tensor
 
@@ -47,6 +47,6 @@ def sequence_targets(seq: CachedSequence, anchors: torch.Tensor, *, block_size: 
     index = layout.target_index                                           # [A, gamma]
     # each position's distribution once, however many blocks read it
     lo, hi = int(index.min()), int(index.max()) + 1
-    rows = target_logits_rows(seq.final[lo:hi], head_rows) - seq.lse[lo:hi, None]
-    return DraftSpaceTargets(target_logp=rows[index - lo], greedy=to_draft[seq.greedy[index]],
+    rows = (target_logits_rows(seq.final[lo:hi], head_rows) - seq.lse[lo:hi, None]).exp_()
+    return DraftSpaceTargets(target_probs=rows[index - lo], greedy=to_draft[seq.greedy[index]],
                              label_mask=layout.label_mask)

@@ -148,7 +148,7 @@ def _step_loss(drafter, caches, order, step, cfg, head_rows, to_draft, tap_scale
             logits, conf, _ = shared_context_forward(drafter, seq.taps, seq.ids, cand,
                                                      tap_scale=tap_scale)
         terms, match = draft_space_loss(
-            logits, tg.target_logp, tg.greedy, tg.label_mask,
+            logits, tg.target_probs, tg.greedy, tg.label_mask,
             conf_logits=conf if drafter.confidence_head is not None else None,
             alpha_ce=cfg.alpha_ce, alpha_tv=cfg.alpha_tv, alpha_conf=cfg.alpha_conf,
             decay=cfg.loss_decay, normalizer=norm)

@@ -26,8 +26,10 @@ def run_accept(args: argparse.Namespace) -> int:
     from dspark_serve.models.default_model import default_model_path
     from dspark_serve.training.feature_cache import FeatureCache
     from dspark_serve.training.heldout_accept import heldout_acceptance
+    from dspark_serve.training.train_cached_cli import keep_freed_memory
 
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     target = TargetModel.from_pretrained(args.model or default_model_path(), dtype="bfloat16")
     cache = FeatureCache(args.cache)
     for folder in args.draft:

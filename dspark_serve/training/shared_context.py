@@ -12,9 +12,10 @@ anchor can see, so little work is spent on masked-out positions.
 
 The Markov bias of all gamma positions is one gather and one matmul (the vanilla head's bias
 W1[x_{k-1}] W2 depends on the previous token only), and the output vocabulary is the draft
-vocabulary (``drafter.draft_vocab``: N rows of the target's LM head). Numerics are the
-drafter's (bf16 autocast by the caller); the bias is added in float32 like
-``block_sampler.teacher_forced``.
+vocabulary (``drafter.draft_vocab``: N rows of the target's LM head). U_k + B_k is one
+product of [h_k; W1[x_{k-1}]] with [W_v; W2_v], accumulated in float32 inside the matmul (under
+bf16 autocast the caller's numerics; the serving path rounds U_k and B_k to bf16 separately
+before adding them in float32, a difference of bf16 rounding).
 
 Shape symbols: A anchors (blocks), G block slots, gamma draft positions, L context positions,
 d hidden, N draft vocabulary, C tap width.
@@ -133,11 +134,15 @@ def shared_context_forward(drafter: DSparkDrafter, taps: torch.Tensor, ids: torc
     # past the sequence end (masked labels) token 0, as ``anchors.block_layout`` labels it
     prev = torch.where(prev_pos < t, ids[prev_pos.clamp(max=t - 1)], 0)
     weight = lm_head.weight
-    logits = F.linear(hidden.to(weight.dtype), weight).float()
     markov = None
-    if head is not None:
+    if head is None:
+        logits = F.linear(hidden.to(weight.dtype), weight).float()
+    else:
+        # U_k + B_k = [h_k; W1[x_{k-1}]] . [W_v; W2_v]: one product over the draft vocabulary
         markov = head.prev_embedding(prev)
-        logits = logits + head.markov_w2(markov).float()
+        w2 = head.markov_w2.weight.to(weight.dtype)
+        logits = F.linear(torch.cat([hidden, markov], dim=-1).to(weight.dtype),
+                          torch.cat([weight, w2], dim=1)).float()
     conf = torch.zeros(a, gamma, device=ids.device)
     if drafter.confidence_head is not None:
         conf = drafter.confidence_head(hidden, markov if drafter.confidence_head.markov_rank

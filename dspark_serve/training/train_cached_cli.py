@@ -54,9 +54,27 @@ def run(args: argparse.Namespace) -> int:
     from dspark_serve.training.cache_trainer import train_cached
 
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     cfg = CacheTrainConfig(**{f.name: getattr(args, f.name) for f in fields(CacheTrainConfig)})
     print(f"dspark-serve train-cached: final drafter in {train_cached(cfg, log_fn=_flush)}")
     return 0
+
+
+def keep_freed_memory() -> None:
+    """Let glibc reuse freed large blocks instead of unmapping them: every step allocates the
+    same [A * gamma, N] buffers, and fresh pages from the OS cost page faults (measured: 9.8 ->
+    7.7 ms per block on one core). No-op where glibc's ``mallopt`` is missing."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return
+    if hasattr(libc, "mallopt"):
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 30)
+        libc.mallopt(m_trim_threshold, 1 << 34)
 
 
 def _flush(msg: str) -> None:

@@ -95,7 +95,7 @@ def test_draft_space_loss_equals_hand_computed_values():
     greedy = torch.tensor([[0, -1]])                  # position 2: target's token is outside
     mask = torch.tensor([[True, True]])
     conf = torch.tensor([[0.0, math.log(3.0)]])      # c = .5, .75
-    terms, match = draft_space_loss(logits, p_t.log(), greedy, mask, conf_logits=conf,
+    terms, match = draft_space_loss(logits, p_t, greedy, mask, conf_logits=conf,
                                     alpha_ce=0.1, alpha_tv=0.9, alpha_conf=1.0, decay=2.0)
     w2 = math.exp(-0.5)
     # |p_d - p_t| on the draft tokens, plus the target mass outside them: 0.5, 0.8
@@ -114,7 +114,7 @@ def test_draft_space_loss_equals_hand_computed_values():
     assert terms.expected_tau == pytest.approx(1 + 0.75 + 0.75 * 0.6)
     assert match.tolist() == [[True, False]]
     # a step split in calls: a shared normaliser sums to the whole-batch average
-    half, _ = draft_space_loss(logits, p_t.log(), greedy, mask, decay=2.0,
+    half, _ = draft_space_loss(logits, p_t, greedy, mask, decay=2.0,
                                normalizer=torch.tensor(2.0 * (1 + w2)))
     assert float(half.tv) == pytest.approx(tv / 2, rel=1e-6)
 
@@ -144,8 +144,8 @@ def test_cached_targets_are_the_target_distribution_in_draft_space(tmp_path, tar
     assert tg.label_mask.tolist() == [[True] * 4, [True] * 4, [True, True, False, False]]
     m = tg.label_mask
     index = (anchors[:, None] + torch.arange(4))[m]        # p + k - 1 of supervised drafts
-    torch.testing.assert_close(tg.target_logp[m], full[index][:, KEEP], atol=1e-5, rtol=1e-5)
-    outside = 1 - tg.target_logp[m].exp().sum(-1)
+    torch.testing.assert_close(tg.target_probs[m], full[index][:, KEEP].exp(), atol=1e-6, rtol=1e-5)
+    outside = 1 - tg.target_probs[m].sum(-1)
     ref_out = full.exp()[index][:, [v for v in range(VOCAB) if v not in KEEP]].sum(-1)
     torch.testing.assert_close(outside, ref_out, atol=1e-5, rtol=1e-4)
     assert float(ref_out.max()) > 0.05                     # the outside mass is not negligible
@@ -225,3 +225,27 @@ def test_cached_training_resumes_exactly_and_saves_a_pruned_drafter(tmp_path, ta
     assert all(0.0 <= e["pos1"] <= 1.0 for e in evals)
     # the trained drafter moved: the loss fell over six steps at lr 3e-3
     assert a[-1]["loss"] < a[0]["loss"]
+
+
+def test_draft_space_loss_gradient_equals_autograd_of_the_plain_formula():
+    g = torch.Generator().manual_seed(5)
+    logits = (3 * torch.randn(4, 3, 10, generator=g)).requires_grad_()
+    full = torch.softmax(2 * torch.randn(4, 3, 14, generator=g), -1)    # 4 tokens outside
+    greedy = torch.randint(-1, 10, (4, 3), generator=g)
+    mask = torch.rand(4, 3, generator=g) > 0.2
+    conf = torch.randn(4, 3, generator=g)
+    terms, _ = draft_space_loss(logits, full[..., :10], greedy, mask, conf_logits=conf, decay=3.0)
+    terms.total.backward()
+    ref_logits = logits.detach().clone().requires_grad_()
+    p_d = torch.softmax(ref_logits, -1)
+    l1 = (p_d - full[..., :10]).abs().sum(-1) + full[..., 10:].sum(-1)
+    nll = -torch.log_softmax(ref_logits, -1).gather(-1, greedy.clamp_min(0)[..., None])[..., 0]
+    w = torch.exp(-torch.arange(3.0) / 3.0) * mask
+    w_ce = w * (greedy >= 0)
+    c_star = (1 - 0.5 * l1).detach().clamp(0, 1)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, c_star, reduction="none")
+    ref = 0.1 * (nll * w_ce).sum() / w_ce.sum() + 0.9 * (l1 * w).sum() / w.sum() + \
+        (bce * w).sum() / w.sum()
+    ref.backward()
+    assert float(terms.total) == pytest.approx(float(ref), rel=1e-5)
+    torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6, rtol=1e-4)
