@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from dspark_serve.engine.target_model import TargetModel
 from dspark_serve.training.cache_features import build_cache
-from dspark_serve.training.feature_cache import FeatureCache, target_logits_rows, write_meta
+from dspark_serve.training.feature_cache import (FeatureCache, head_lse_greedy, target_logits_rows,
+                                                 write_meta)
 from dspark_serve.training.feature_sources import generated_sequences
 
 from .conftest import LAYERS, TAPS, make_target
@@ -52,6 +53,7 @@ def test_cached_features_equal_the_forward_on_the_fly(tmp_path, write_sequences)
         assert torch.allclose(seq.lse, torch.logsumexp(out.logits, -1), atol=0.15)
         logits = target_logits_rows(seq.final, target.lm_head.weight)
         assert torch.equal(seq.greedy, logits.argmax(-1))
+        # the 64 largest logits are float32 (here all V = 64 of them): agree to float32 rounding
         assert torch.allclose(seq.lse, torch.logsumexp(logits, -1), atol=1e-5)
         top2 = out.logits.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.3
@@ -72,3 +74,22 @@ def test_interrupted_build_resumes_to_the_same_cache(tmp_path, write_sequences):
         assert torch.equal(one[i].taps, two[i].taps) and torch.equal(one[i].final, two[i].final)
         assert torch.equal(one[i].lse, two[i].lse) and torch.equal(one[i].greedy, two[i].greedy)
     assert _build(tmp_path / "two", tmp_path / "data") == 0
+
+
+def test_lse_tail_in_bf16_stays_within_its_bound():
+    # V = 1000 > 64: the tail beyond the 64 largest logits comes from the bf16 product
+    g = torch.Generator().manual_seed(0)
+    head = torch.randn(1000, 32, generator=g)
+    final = (0.5 * torch.randn(300, 32, generator=g)).to(torch.bfloat16)
+    lse, greedy = head_lse_greedy(final, head)
+    exact = target_logits_rows(final, head)
+    assert torch.equal(greedy, exact.argmax(-1))
+    ref = torch.logsumexp(exact, -1)
+    top = exact.topk(64, -1).values
+    tail_share = 1 - torch.exp(torch.logsumexp(top, -1) - ref)
+    # each tail logit is off by at most 2^-8 of its size: so is the tail's mass, relatively
+    # (plus float32 rounding of the sum)
+    bound = tail_share * (torch.exp(exact.abs().max(-1).values * 2.0 ** -8) - 1) + \
+        4 * torch.finfo(torch.float32).eps * ref.abs()
+    assert bool(((lse - ref).abs() <= bound).all())
+    assert float(tail_share.max()) > 0.1          # the tail matters in this test
