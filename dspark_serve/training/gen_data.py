@@ -96,6 +96,13 @@ def prepare_split(cfg: GenDataConfig, prompts: list[str]) -> tuple[list[str], di
     return unique, manifest
 
 
+def prompts_to_answer(cfg: GenDataConfig, manifest: dict, done: set[int]) -> list[int]:
+    """Indices still to answer: the first ``cfg.limit`` (all if None) of the split's
+    ``cfg.subset`` list, minus those in ``done``. Held-out answers are evaluation text (e.g.
+    greedy, for position-1 acceptance), never training data."""
+    return [i for i in manifest[cfg.subset][:cfg.limit] if i not in done]
+
+
 def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: bool = True) -> int:
     """Generate the responses of every prompt of ``cfg.subset`` (the first ``cfg.limit`` of
     them, if set) not yet in ``sequences.jsonl``.
@@ -113,9 +120,7 @@ def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: 
     from dspark_serve.engine.params import SamplingParams
 
     unique, manifest = prepare_split(cfg, load_prompts("sharegpt") if prompts is None else prompts)
-    done = {int(r["index"]) for r in read_records(cfg.out)}
-    # held-out answers are evaluation text (e.g. greedy, for position-1 acceptance), never trained on
-    todo = [i for i in manifest[cfg.subset][:cfg.limit] if i not in done]
+    todo = prompts_to_answer(cfg, manifest, {int(r["index"]) for r in read_records(cfg.out)})
     engine = LLMEngine(EngineConfig(model=cfg.model, speculative="none", dtype=cfg.dtype,
                                     max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
                                     max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1))
