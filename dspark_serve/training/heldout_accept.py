@@ -21,12 +21,13 @@ from dspark_serve.training.shared_context import shared_context_forward
 @torch.no_grad()
 def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
                        max_seqs: int | None = None, tap_scale: torch.Tensor | None = None,
-                       autocast: bool = True) -> dict:
+                       anchor_context: bool = False, autocast: bool = True) -> dict:
     """Acceptance over every anchor of the first ``max_seqs`` cached sequences (all if None).
 
     Args:
         drafter: any drafter with a vanilla Markov head or none (pruned vocabulary or full).
         tap_scale: [C] tap normalisation not yet folded into fc (training), or None.
+        anchor_context: the drafter was trained with ``anchor_context`` (``shared_context``).
         autocast: run under bf16 autocast (as training does).
     Returns:
         {"pos1": float, "cond_accept": [gamma] (NaN where no anchor got that far),
@@ -46,7 +47,8 @@ def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
             continue
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits, _, _ = shared_context_forward(drafter, seq.taps, seq.ids, anchors,
-                                                  tap_scale=tap_scale)
+                                                  tap_scale=tap_scale,
+                                                  anchor_context=anchor_context)
         layout = block_layout([seq.ids], [seq.loss_mask], [anchors],
                               block_size=cfg.block_size, label_offset=cfg.label_offset,
                               mask_token_id=cfg.mask_token_id)

@@ -249,3 +249,21 @@ def test_draft_space_loss_gradient_equals_autograd_of_the_plain_formula():
     ref.backward()
     assert float(terms.total) == pytest.approx(float(ref), rel=1e-5)
     torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_anchor_context_adds_the_previous_context_state_to_the_anchor_slot(target, make_drafter):
+    drafter = _perturbed(make_drafter, target)
+    ids = torch.randint(2, VOCAB, (20,), generator=torch.Generator().manual_seed(4))
+    taps, _ = _tap_features(target, ids)
+    anchors = torch.tensor([3, 8, 15])
+    embed = target.embed_tokens
+    h_ctx = drafter.backbone.hidden_norm(drafter.backbone.fc(taps[:15]))
+    with_ctx, _, _ = shared_context_forward(drafter, taps, ids, anchors, anchor_context=True)
+    plain, _, _ = shared_context_forward(drafter, taps, ids, anchors)
+    assert not torch.allclose(with_ctx, plain, atol=1e-3)
+    # reference: an embedding that adds H_ctx[p - 1] to slot 0 of each block (blocks in order)
+    drafter._shared = (lambda t: embed(t) + torch.where(
+        (torch.arange(t.shape[1]) == 0)[None, :, None], h_ctx[anchors - 1][:, None], 0.0),
+        drafter.shared_modules[1])
+    ref, _, _ = shared_context_forward(drafter, taps, ids, anchors)
+    torch.testing.assert_close(with_ctx, ref, atol=1e-5, rtol=1e-5)
