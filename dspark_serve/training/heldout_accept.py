@@ -17,6 +17,8 @@ from dspark_serve.training.anchors import anchor_candidates, block_layout
 from dspark_serve.training.feature_cache import FeatureCache
 from dspark_serve.training.shared_context import shared_context_forward
 
+_ANCHOR_CHUNK = 256
+
 
 @torch.no_grad()
 def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
@@ -45,14 +47,18 @@ def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
         anchors = anchors[anchors >= 1]
         if anchors.numel() == 0:
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits, _, _ = shared_context_forward(drafter, seq.taps, seq.ids, anchors,
-                                                  tap_scale=tap_scale,
-                                                  anchor_context=anchor_context)
+        draft = []
+        # anchors in chunks: [A * gamma, N] logits of a whole sequence would take gigabytes
+        for part in anchors.split(_ANCHOR_CHUNK):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                logits, _, _ = shared_context_forward(drafter, seq.taps, seq.ids, part,
+                                                      tap_scale=tap_scale,
+                                                      anchor_context=anchor_context)
+            draft.append(logits.argmax(-1))
+        draft = torch.cat(draft)
         layout = block_layout([seq.ids], [seq.loss_mask], [anchors],
                               block_size=cfg.block_size, label_offset=cfg.label_offset,
                               mask_token_id=cfg.mask_token_id)
-        draft = logits.argmax(-1)
         if vocab is not None:
             draft = vocab[draft]
         match = (draft == seq.greedy[layout.target_index]) & layout.label_mask
