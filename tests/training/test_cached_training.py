@@ -267,3 +267,15 @@ def test_anchor_context_adds_the_previous_context_state_to_the_anchor_slot(targe
         drafter.shared_modules[1])
     ref, _, _ = shared_context_forward(drafter, taps, ids, anchors)
     torch.testing.assert_close(with_ctx, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_on_the_fly_trainer_refuses_a_pruned_drafter(tmp_path, target, make_drafter,
+                                                     write_sequences):
+    from dspark_serve.training.trainer import TrainConfig, train
+
+    write_sequences(tmp_path / "data", n=2)
+    pruned = _pruned_twin(make_drafter(target, "dspark"), target, KEEP)
+    cfg = TrainConfig(data=str(tmp_path / "data"), out=str(tmp_path / "run"), steps=1,
+                      dtype="float32")
+    with pytest.raises(ValueError, match="train-cached"):
+        train(cfg, progress=False, models=(target, pruned))
