@@ -23,14 +23,17 @@ if "OMP_WAIT_POLICY" not in os.environ:
 # subcommand -> module providing add_parser()
 SUBCOMMANDS = {
     "bench": "dspark_serve.bench.cli",
+    "cache-features": "dspark_serve.training.cache_features",
     "calibrate": "dspark_serve.eval.calibrate_cli",
     "eval": "dspark_serve.eval.eval_cli",
+    "heldout-accept": "dspark_serve.training.heldout_accept_cli",
     "gen-data": "dspark_serve.training.gen_data_cli",
     "loadtest": "loadtest.cli",
     "profile": "profiler.cli",
     "prune-vocab": "dspark_serve.training.prune_vocab_cli",
     "serve": "dspark_serve.server.cli",
     "train": "dspark_serve.training.train_cli",
+    "train-cached": "dspark_serve.training.train_cached_cli",
 }
 
 

@@ -38,8 +38,14 @@ class GenDataConfig:
     max_num_seqs: int = 32
     dtype: str = "bfloat16"
     seed: int = 0
+    subset: str = "train"
+    limit: int | None = None
 
     def __post_init__(self) -> None:
+        if self.subset not in ("train", "heldout"):
+            raise ValueError(f"subset must be 'train' or 'heldout', got {self.subset!r}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.num_prompts < 2 or not 0 < self.heldout < self.num_prompts:
             raise ValueError(f"need num_prompts >= 2 and 0 < heldout < num_prompts, got "
                              f"{self.num_prompts} / {self.heldout}")
@@ -90,8 +96,16 @@ def prepare_split(cfg: GenDataConfig, prompts: list[str]) -> tuple[list[str], di
     return unique, manifest
 
 
+def prompts_to_answer(cfg: GenDataConfig, manifest: dict, done: set[int]) -> list[int]:
+    """Indices still to answer: the first ``cfg.limit`` (all if None) of the split's
+    ``cfg.subset`` list, minus those in ``done``. Held-out answers are evaluation text (e.g.
+    greedy, for position-1 acceptance), never training data."""
+    return [i for i in manifest[cfg.subset][:cfg.limit] if i not in done]
+
+
 def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: bool = True) -> int:
-    """Generate the responses of every train prompt not yet in ``sequences.jsonl``.
+    """Generate the responses of every prompt of ``cfg.subset`` (the first ``cfg.limit`` of
+    them, if set) not yet in ``sequences.jsonl``.
 
     Args:
         prompts: the ShareGPT first user turns (None: load them; tests pass their own).
@@ -106,8 +120,7 @@ def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: 
     from dspark_serve.engine.params import SamplingParams
 
     unique, manifest = prepare_split(cfg, load_prompts("sharegpt") if prompts is None else prompts)
-    done = {int(r["index"]) for r in read_records(cfg.out)}
-    todo = [i for i in manifest["train"] if i not in done]
+    todo = prompts_to_answer(cfg, manifest, {int(r["index"]) for r in read_records(cfg.out)})
     engine = LLMEngine(EngineConfig(model=cfg.model, speculative="none", dtype=cfg.dtype,
                                     max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
                                     max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1))

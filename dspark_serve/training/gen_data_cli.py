@@ -18,6 +18,9 @@ _HELP = {
     "max_new_tokens": "response length cap",
     "max_num_seqs": "requests decoded together by the engine",
     "dtype": "target dtype", "seed": "split, greedy share and sampling seed",
+    "subset": "which prompts of the split to answer: train, or heldout (evaluation text; use a "
+              "separate --out folder and --greedy-fraction 1)",
+    "limit": "answer only the first N prompts of the subset (default: all)",
 }
 
 
@@ -32,6 +35,11 @@ def add_parser(subparsers) -> None:
         elif f.name == "dtype":
             p.add_argument(flag, choices=("bfloat16", "float32"), default=f.default,
                            help=_HELP[f.name])
+        elif f.name == "subset":
+            p.add_argument(flag, choices=("train", "heldout"), default=f.default,
+                           help=_HELP[f.name])
+        elif f.name == "limit":
+            p.add_argument(flag, type=int, default=None, help=_HELP[f.name])
         else:
             p.add_argument(flag, type=kind, default=f.default, help=_HELP[f.name])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

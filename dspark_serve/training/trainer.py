@@ -135,7 +135,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
     Args:
         models: optional (target, drafter) to train instead of loading ``cfg.model`` (tests).
     Raises:
-        ValueError: no training data, or a resumed run whose kind differs.
+        ValueError: no training data, a resumed run whose kind differs, or a drafter with a
+            pruned draft vocabulary (``train-cached`` trains those).
     """
     from tqdm import tqdm
 
@@ -149,6 +150,10 @@ def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
         if resume_from is not None:
             drafter.load_state_dict(load_drafter(resume_from, *drafter.shared_modules,
                                                  dtype=torch.float32).state_dict())
+    if drafter.draft_vocab is not None:
+        # its losses compare full-vocabulary distributions; train-cached works in draft space
+        raise ValueError("the drafter has a pruned draft vocabulary: train it with "
+                         "`dspark-serve train-cached`")
     if (drafter.markov_head is None) != (cfg.kind == "dflash"):
         raise ValueError(f"the drafter in {out} does not match --kind {cfg.kind}")
     sequences = load_sequences(cfg.data, max_len=cfg.max_len)

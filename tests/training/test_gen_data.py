@@ -52,3 +52,18 @@ def test_torn_last_line_is_dropped_and_truncated(tmp_path):
     with pytest.raises(ValueError, match="no usable"):
         load_sequences(tmp_path, max_len=3)
     assert json.loads((tmp_path / SEQUENCES_FILE).read_text().splitlines()[0])["index"] == 0
+
+
+def test_heldout_subset_answers_only_heldout_prompts_up_to_the_limit():
+    from dspark_serve.training.gen_data import prompts_to_answer
+
+    manifest = {"train": [0, 2, 3, 5], "heldout": [1, 4, 6]}
+    cfg = GenDataConfig(out="x", num_prompts=7, heldout=3, subset="heldout", limit=2)
+    assert prompts_to_answer(cfg, manifest, set()) == [1, 4]
+    assert prompts_to_answer(cfg, manifest, {1}) == [4]
+    assert prompts_to_answer(GenDataConfig(out="x", num_prompts=7, heldout=3), manifest,
+                             {2}) == [0, 3, 5]
+    with pytest.raises(ValueError, match="subset"):
+        GenDataConfig(out="x", subset="test")
+    with pytest.raises(ValueError, match="limit"):
+        GenDataConfig(out="x", limit=0)
