@@ -32,17 +32,20 @@ def build_sglang_argv(args: argparse.Namespace, model_path: str,
     Raises:
         ValueError: a combination SGLang cannot serve with this plugin.
     """
-    if args.speculative == "dflash":
-        raise ValueError("--backend sglang serves --speculative dspark or none; for DFlash "
-                         "use SGLang's own --speculative-algorithm DFLASH after --")
-    if args.speculative == "dspark" and args.scheduler != "async":
+    if args.speculative in ("dflash", "ngram"):
+        raise ValueError("--backend sglang serves --speculative dspark (hybrid, the default, "
+                         "is served as dspark) or none; for DFlash or prompt lookup use "
+                         "SGLang's own --speculative-algorithm DFLASH / NGRAM after --")
+    # SGLang has no hybrid proposer: its drafter half is DSPARK_SERVE
+    speculative = "dspark" if args.speculative == "hybrid" else args.speculative
+    if speculative == "dspark" and args.scheduler != "async":
         raise ValueError(f"--backend sglang runs the asynchronous scheduler only (SGLang's "
                          f"overlap scheduler), got --scheduler {args.scheduler}")
     argv = ["--model-path", model_path, "--host", args.host, "--port", str(args.port),
             "--dtype", args.dtype, "--context-length", str(args.max_model_len),
             "--max-running-requests", str(args.max_num_seqs),
             "--random-seed", str(args.seed), "--log-level", args.log_level]
-    if args.speculative == "dspark":
+    if speculative == "dspark":
         if not draft_path:
             raise ValueError("--backend sglang with --speculative dspark needs --draft (no "
                              "shipped drafter for this model)")

@@ -134,7 +134,8 @@ def test_calibrate_and_eval_commands_end_to_end(tmp_path, target, make_drafter, 
     pair = loading.Pair(target, drafter.eval(), FakeTokenizer(), {2}, str(tmp_path / "draft"))
     monkeypatch.setattr(loading, "load_pair", lambda *a, **k: pair)
     monkeypatch.setattr(calibrate_cli, "heldout_prompts", lambda data, n: ["hello", "a b c", "xyz"])
-    args = types.SimpleNamespace(draft=str(tmp_path / "draft"), data="unused", model=None,
+    args = types.SimpleNamespace(kind="dspark", draft=str(tmp_path / "draft"), data="unused",
+                                 model=None,
                                  num_prompts=3, temperature=1.0, top_p=1.0, max_new_tokens=24,
                                  batch_size=2, out=None, png=None, dtype="float32", seed=0)
     assert calibrate_cli.run(args) == 0
@@ -143,7 +144,8 @@ def test_calibrate_and_eval_commands_end_to_end(tmp_path, target, make_drafter, 
     assert (tmp_path / "draft" / "reliability.png").stat().st_size > 1000
     import dspark_serve.data.prompt_sets as prompt_sets
     monkeypatch.setattr(prompt_sets, "load_prompts", lambda name, limit: ["q " + name, "w"])
-    args = types.SimpleNamespace(model=None, draft=None, kind="dspark", temperature=0.0,
+    args = types.SimpleNamespace(model=None, draft=None, kind="dspark", engine=False,
+                                 temperature=0.0,
                                  gamma=None, benchmarks="mtbench,humaneval", limit=2,
                                  max_new_tokens=16, batch_size=2, calibration=None,
                                  dtype="float32", seed=0, json=True, plots=str(tmp_path / "plots"))
@@ -157,3 +159,28 @@ def test_calibrate_and_eval_commands_end_to_end(tmp_path, target, make_drafter, 
     assert report["calibration_file"].endswith("sts_calibration.json")
     assert b["calibration"]["sts"] is not None and len(b["threshold_sweep"]) == 10
     assert (tmp_path / "plots" / "reliability_mtbench_T0.png").is_file()
+
+
+@pytest.mark.slow
+def test_lookup_calibrate_and_engine_eval_commands(tmp_path, capsys):
+    """``calibrate --kind ngram`` writes a [8 match lengths, gamma 7] survival table fitted on
+    greedy ShareGPT outputs; ``eval --kind ngram`` reports tau and acceptance per position."""
+    from dspark_serve.calibration.lookup import LookupCalibration
+
+    out = tmp_path / "lookup.json"
+    args = types.SimpleNamespace(kind="ngram", model=None, num_prompts=2, max_new_tokens=48,
+                                 batch_size=2, out=str(out), dtype="bfloat16", seed=0)
+    assert calibrate_cli.run(args) == 0
+    cal = LookupCalibration.load(out)
+    assert len(cal.conditional) == 8 and cal.gamma == 7 and cal.num_rounds > 0
+    args = types.SimpleNamespace(model=None, draft=None, kind="ngram", engine=False,
+                                 temperature=0.0, gamma=None, benchmarks="mtbench", limit=2,
+                                 max_new_tokens=24, batch_size=2, calibration=None,
+                                 dtype="bfloat16", seed=0, json=True, plots=None)
+    capsys.readouterr()
+    assert eval_cli.run(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    bench = report["benchmarks"]["mtbench"]
+    assert report["kind"] == "ngram" and report["gamma"] == 7 and bench["prompts"] == 2
+    assert bench["rounds"] > 0 and 1.0 <= bench["tau"] <= 8.0
+    assert len(bench["conditional_acceptance"]) == 7
