@@ -9,7 +9,8 @@ to completion. Reported per cell:
 - tok/s/user: mean over requests of (tokens - 1) / (last token time - first token time), the
   decode rate one user sees after the first token;
 - agg tok/s: all output tokens / wall time of the batch (prefill included);
-- TTFT: mean time to the first token; tau: mean accepted length (tokens per verify round);
+- TTFT: mean time to the first token; tau: mean accepted length (tokens per verify round)
+  over the requests that had verify rounds (the async scheduler may skip drafting);
 - step ms: mean engine step time.
 
 ``--profile`` runs the torch profiler over one decode step of every mode at the largest
@@ -92,7 +93,8 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, mode: str) -> C
     return CellResult(mode, len(prompts), total, wall,
                       statistics.mean(rates) if rates else 0.0, total / wall,
                       statistics.mean(first[r] - start for r in first),
-                      statistics.mean(tau.values()), 1000 * wall / steps)
+                      statistics.mean(drafted) if (drafted := [t for t in tau.values() if t])
+                      else 0.0, 1000 * wall / steps)
 
 
 @contextlib.contextmanager
