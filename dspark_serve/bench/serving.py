@@ -178,7 +178,8 @@ def format_table(results: list[CellResult]) -> str:
     return "\n".join([head] + rows)
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
@@ -193,15 +194,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "prompts: tok/s per user and aggregate, per mode and concurrency.")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
                         help="speculative modes (default: all)")
-    parser.add_argument("--concurrency", type=_positive, nargs="+",
+    parser.add_argument("--concurrency", type=positive_int, nargs="+",
                         default=list(DEFAULT_CONCURRENCY), help="default: %(default)s")
-    parser.add_argument("--max-tokens", type=_positive, default=64,
+    parser.add_argument("--max-tokens", type=positive_int, default=64,
                         help="output tokens per request (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=_positive, default=1024,
+    parser.add_argument("--max-model-len", type=positive_int, default=1024,
                         help="engine context limit (default: %(default)s)")
     parser.add_argument("--scheduler", choices=SCHEDULERS, default="async",
                         help="dspark verify-length scheduler (default: %(default)s)")
-    parser.add_argument("--gamma", type=_positive, help="block size (default: the drafter's)")
+    parser.add_argument("--gamma", type=positive_int, help="block size (default: the drafter's)")
     parser.add_argument("--cost-table", help="SPS cost table JSON (default: profile at start)")
     parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
                         help="weight dtype (default: %(default)s)")

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dspark_serve.bench.serving import chat_prompts
+from dspark_serve.bench.serving import positive_int, chat_prompts
 from dspark_serve.engine.config import SCHEDULERS, EngineConfig
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.structured.spec import json_schema_spec
@@ -206,13 +206,6 @@ def _outlines_core_costs(tokenizer, ids: list[int], repeats: int) -> dict[str, f
     return results
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``structured`` under ``dspark-serve bench``."""
     parser = subparsers.add_parser(
@@ -221,11 +214,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "grammar mask time per mode and concurrency (or --masks: backend cost).")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         help="dspark-unmasked verifies drafts as drafted (default: all)")
-    parser.add_argument("--concurrency", type=_positive, nargs="+", default=[1, 4],
+    parser.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 4],
                         help="default: %(default)s")
-    parser.add_argument("--max-tokens", type=_positive, default=64,
+    parser.add_argument("--max-tokens", type=positive_int, default=64,
                         help="most output tokens per request (default: %(default)s)")
-    parser.add_argument("--max-model-len", type=_positive, default=1024,
+    parser.add_argument("--max-model-len", type=positive_int, default=1024,
                         help="engine context limit (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every request (default: greedy)")

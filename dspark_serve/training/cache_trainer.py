@@ -33,14 +33,15 @@ from dspark_serve.drafter.draft_vocab import pruned_lm_head
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.training.anchors import anchor_candidates
 from dspark_serve.training.cache_batch import draft_index_map, sequence_targets
-from dspark_serve.training.checkpointing import STATE_FILE, latest_checkpoint, save_checkpoint
+from dspark_serve.training.checkpointing import (latest_checkpoint, optimizer_and_schedule,
+                                                  save_checkpoint)
 from dspark_serve.training.draft_space_loss import draft_space_loss
 from dspark_serve.training.feature_cache import FeatureCache
 from dspark_serve.training.heldout_accept import heldout_acceptance
 from dspark_serve.training.losses import ALPHA_CE, ALPHA_CONF, ALPHA_TV, position_weights
 from dspark_serve.training.models import init_weights
 from dspark_serve.training.shared_context import fold_tap_scale, shared_context_forward
-from dspark_serve.training.trainer import batch_for_step, lr_lambda
+from dspark_serve.training.trainer import batch_for_step
 
 _PROBE_STEPS = 3
 # sequences whose taps set the tap scale (deterministic: the cache's first ones)
@@ -66,6 +67,7 @@ class CacheTrainConfig:
     anchors_per_seq: int = 128
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
     grad_clip: float = 1.0
     alpha_ce: float = ALPHA_CE
     alpha_tv: float = ALPHA_TV
@@ -197,17 +199,7 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
         if resume_from is None and not cfg.reinit:
             fold_tap_scale(drafter, 1.0 / tap_scale)   # same function, new parametrisation
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    plan = {"total": cfg.steps, "fixed": cfg.time_budget_minutes is None}
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, plan["total"], cfg.warmup_ratio))
-    step = 0
-    if resume_from is not None:
-        state = torch.load(resume_from / STATE_FILE, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = int(state["step"])
-        plan.update(total=int(state["total_steps"]), fixed=True)
+    optimizer, scheduler, plan, step = optimizer_and_schedule(params, cfg, resume_from)
 
     def evaluate(at: int) -> None:
         if eval_cache is None:

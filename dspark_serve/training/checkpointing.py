@@ -4,6 +4,7 @@ folder counts only once its state file exists; it is written under a temporary n
 renamed, so an interrupted save never leaves a half checkpoint that resume would pick."""
 from __future__ import annotations
 
+import math
 import re
 import shutil
 from dataclasses import asdict
@@ -40,3 +41,34 @@ def save_checkpoint(out: Path, step: int, drafter: DSparkDrafter, optimizer, sch
     for p in old[:-keep]:
         shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def lr_lambda(step: int, total: int, warmup_ratio: float) -> float:
+    """Linear warmup over ceil(warmup_ratio * total) steps, then cosine decay to 0."""
+    warmup = max(1, math.ceil(warmup_ratio * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def optimizer_and_schedule(params, cfg, resume_from: Path | None):
+    """AdamW (betas 0.9 / 0.95, ``cfg.lr``, ``cfg.weight_decay``) with warmup + cosine decay
+    over ``plan["total"]`` steps, restored from ``resume_from``'s state when given.
+
+    Returns (optimizer, scheduler, plan, first step). ``plan`` is a dict {"total", "fixed"}: a
+    run with ``cfg.time_budget_minutes`` may lower "total" once (the schedule reads it live);
+    a resumed run keeps the total stored in its checkpoint.
+    """
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
+                                  weight_decay=cfg.weight_decay)
+    plan = {"total": cfg.steps, "fixed": cfg.time_budget_minutes is None}
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, plan["total"], cfg.warmup_ratio))
+    start = 0
+    if resume_from is not None:
+        state = torch.load(resume_from / STATE_FILE, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = int(state["step"])
+        plan.update(total=int(state.get("total_steps", cfg.steps)), fixed=True)
+    return optimizer, scheduler, plan, start

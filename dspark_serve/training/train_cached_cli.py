@@ -22,7 +22,7 @@ _HELP = {
     "seqs_per_step": "cached sequences per step",
     "anchors_per_seq": "anchors (blocks) per sequence, all candidates when fewer",
     "lr": "peak AdamW learning rate", "warmup_ratio": "share of steps with linear warmup",
-    "grad_clip": "gradient norm clip", "alpha_ce": "Eq 9 weight of L_ce",
+    "weight_decay": "AdamW weight decay", "grad_clip": "gradient norm clip", "alpha_ce": "Eq 9 weight of L_ce",
     "alpha_tv": "Eq 9 weight of L_tv", "alpha_conf": "Eq 9 weight of L_conf",
     "loss_decay": "position weights exp(-(k-1)/decay)", "seed": "init, data order and anchors",
     "save_every": "checkpoint every N steps", "log_every": "log every N steps",

@@ -17,7 +17,6 @@ cosine schedule then ends on time); the chosen count is stored in every checkpoi
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,8 @@ import torch
 from dspark_serve.drafter.checkpoint import load_drafter, save_drafter
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.training.anchors import block_layout, sample_anchors
-from dspark_serve.training.checkpointing import STATE_FILE, latest_checkpoint, save_checkpoint
+from dspark_serve.training.checkpointing import (latest_checkpoint, optimizer_and_schedule,
+                                                  save_checkpoint)
 from dspark_serve.training.dataset import Sequence, load_sequences
 from dspark_serve.training.forward import drafter_forward
 from dspark_serve.training.models import build_models
@@ -82,14 +82,6 @@ class TrainConfig:
                                                      ("alpha_conf", ALPHA_CONF, 0.0)):
             if getattr(self, name) is None:
                 setattr(self, name, dflash_default if dflash else dspark_default)
-
-
-def lr_lambda(step: int, total: int, warmup_ratio: float) -> float:
-    """Linear warmup over ceil(warmup_ratio * total) steps, then cosine decay to 0."""
-    warmup = max(1, math.ceil(warmup_ratio * total))
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
 def batch_for_step(sequences: list[Sequence], step: int, per_step: int,
@@ -158,19 +150,8 @@ def train(cfg: TrainConfig, *, progress: bool = True, models=None) -> Path:
         raise ValueError(f"the drafter in {out} does not match --kind {cfg.kind}")
     sequences = load_sequences(cfg.data, max_len=cfg.max_len)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay)
     # total steps; a time budget may lower it once, after the first timed steps
-    plan = {"total": cfg.steps, "fixed": cfg.time_budget_minutes is None}
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, plan["total"], cfg.warmup_ratio))
-    start = 0
-    if resume_from is not None:
-        state = torch.load(resume_from / STATE_FILE, weights_only=False)
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start = int(state["step"])
-        plan.update(total=int(state.get("total_steps", cfg.steps)), fixed=True)
+    optimizer, scheduler, plan, start = optimizer_and_schedule(params, cfg, resume_from)
     autocast = target.dtype == torch.bfloat16
     bar = tqdm(initial=start, total=plan["total"], disable=not progress, desc=f"train {cfg.kind}")
     began, timed = time.perf_counter(), []

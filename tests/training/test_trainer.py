@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
-from dspark_serve.training.trainer import TrainConfig, batch_for_step, lr_lambda, train
+from dspark_serve.training.checkpointing import lr_lambda
+from dspark_serve.training.trainer import TrainConfig, batch_for_step, train
 from dspark_serve.training.dataset import load_sequences
 
 
