@@ -68,7 +68,7 @@ def test_greedy_oracle_drafter_equals_plain(mode, engine_for, generate, mtbench_
     assert any(max(c.deltas) > 2 for c in out.values())
 
 
-@pytest.mark.parametrize("mode", [("ngram", "static"), ("ngram", "async"),
+@pytest.mark.parametrize("mode", [("ngram", "static"), ("ngram", "algorithm1"),
                                   ("hybrid", "algorithm1")], ids=lambda m: "-".join(m))
 def test_greedy_prompt_lookup_modes_equal_plain(mode, engine_for, generate, mtbench_prompts,
                                                  greedy_reference):
