@@ -25,6 +25,7 @@ from dspark_serve.drafter.prompt_lookup import LookupDraft
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
 from dspark_serve.types import VerifyResult
+from tests.engine.chi_square import goodness_of_fit, histogram
 
 pytestmark = [pytest.mark.slow, pytest.mark.lossless]
 
@@ -99,23 +100,6 @@ def exact(conditionals) -> dict[tuple[int, ...], float]:
 @pytest.fixture(scope="module")
 def bins(exact) -> list[tuple[int, ...]]:
     return sorted(exact, key=exact.get, reverse=True)[:NUM_BINS]
-
-
-def histogram(samples: list[tuple[int, ...]], bins) -> np.ndarray:
-    """Counts of the NUM_BINS binned sequences, then of all others."""
-    index = {s: i for i, s in enumerate(bins)}
-    counts = np.zeros(len(bins) + 1, dtype=np.int64)
-    for s in samples:
-        counts[index.get(s, len(bins))] += 1
-    return counts
-
-
-def goodness_of_fit(samples, exact, bins) -> float:
-    """Chi-square p-value of the samples against the exact binned distribution."""
-    p = np.array([exact[s] for s in bins] + [1.0 - sum(exact[s] for s in bins)])
-    counts = histogram(samples, bins)
-    assert (p * counts.sum()).min() >= 5, "expected counts too small for chi-square"
-    return stats.chisquare(counts, p * counts.sum()).pvalue
 
 
 def draft_distribution(conditionals, vocab_size: int):

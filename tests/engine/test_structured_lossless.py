@@ -23,6 +23,7 @@ import dspark_serve.engine.llm_engine as llm_engine
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.structured.masking import bitmask_to_bool, new_bitmask
 from dspark_serve.structured.spec import regex_spec
+from tests.engine.chi_square import goodness_of_fit, histogram
 
 pytestmark = [pytest.mark.slow, pytest.mark.lossless]
 
@@ -85,21 +86,6 @@ def exact(engines, prompt_ids, digits) -> dict[tuple[int, ...], float]:
 @pytest.fixture(scope="module")
 def bins(exact) -> list[tuple[int, ...]]:
     return sorted(exact, key=exact.get, reverse=True)[:NUM_BINS]
-
-
-def histogram(samples, bins) -> np.ndarray:
-    index = {s: i for i, s in enumerate(bins)}
-    counts = np.zeros(len(bins) + 1, dtype=np.int64)
-    for s in samples:
-        counts[index.get(s, len(bins))] += 1
-    return counts
-
-
-def goodness_of_fit(samples, exact, bins) -> float:
-    p = np.array([exact[s] for s in bins] + [1.0 - sum(exact[s] for s in bins)])
-    counts = histogram(samples, bins)
-    assert (p * counts.sum()).min() >= 5, "expected counts too small for chi-square"
-    return stats.chisquare(counts, p * counts.sum()).pvalue
 
 
 def draft_distribution(engine, digits):
