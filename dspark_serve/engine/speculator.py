@@ -154,44 +154,54 @@ class Speculator:
         self.flush()   # catching up on skipped steps is not this draft's cost
         start = time.perf_counter()
         r, g, device = slots.numel(), self.gamma, slots.device
-        tokens = torch.zeros(r, g, dtype=torch.int64, device=device)
-        probs = torch.zeros(r, g, self.vocab_size, dtype=torch.float32, device=device)
-        conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
-        confidence = torch.ones(r, g, dtype=torch.float32, device=device)
         by_drafter = torch.ones(r, dtype=torch.bool, device=device)
         if self.lookup is not None:
-            found, match_len = self._lookup(texts, tokens)
+            lookup_tokens, found, match_len = self._lookup(texts, device)
             by_drafter = match_len < (self.lookup.min_match if self.drafter is not None else 1)
             taken = ~by_drafter
-            probs[taken] = probs[taken].scatter_(2, tokens[taken, :, None], 1.0)
-            confidence = self._lookup_confidence(match_len) * taken[:, None]
             # lookup rows verify at most the tokens found; rows nobody drafts verify none
             caps = torch.where(taken, torch.minimum(caps, found),
                                caps if self.drafter is not None else 0)
         rows = by_drafter.nonzero().flatten()
-        if self.drafter is not None and rows.numel():
+        block = None
+        if self.drafter is not None and (rows.numel() or self.lookup is None):
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
                                        anchor_positions[rows], sampling.select(rows),
                                        uniforms[rows])
-            tokens[rows], probs[rows] = block.tokens[:, :g], block.probs[:, :g]
-            conf_logits[rows] = block.conf_logits[:, :g]
-            if self.has_confidence:
-                temps = (self.temperatures if self.temperatures is not None
-                         else torch.ones(g, device=device))
-                confidence[rows] = calibrated_confidence(conf_logits[rows], temps)
+            block = DraftBlock(block.tokens[:, :g], block.probs[:, :g], block.conf_logits[:, :g])
+        if block is None or rows.numel() < r:
+            # lookup rows one-hot, drafter rows copied in: [R, gamma, V] only when mixing
+            tokens = lookup_tokens.masked_fill(by_drafter[:, None], 0)
+            probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
+            probs[by_drafter] = 0.0
+            conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
+            if block is not None:
+                tokens[rows], probs[rows] = block.tokens, block.probs
+                conf_logits[rows] = block.conf_logits
+            block = DraftBlock(tokens, probs, conf_logits)
+        confidence = torch.ones(r, g, dtype=torch.float32, device=device)
+        if self.lookup is not None:
+            confidence = self._lookup_confidence(match_len) * taken[:, None]
+        if self.has_confidence and rows.numel():
+            temps = (self.temperatures if self.temperatures is not None
+                     else torch.ones(g, device=device))
+            confidence[rows] = calibrated_confidence(block.conf_logits[rows], temps)
+        elif self.drafter is not None and rows.numel():
+            confidence[rows] = 1.0      # DFlash: no confidence head
         observe = getattr(self.scheduler, "observe_draft", None)
         if observe is not None:
-            if tokens.is_cuda:
+            if block.tokens.is_cuda:
                 torch.cuda.synchronize(device)
             observe(r, time.perf_counter() - start)
         allowed = torch.arange(g, device=caps.device)[None, :] < caps[:, None]
         lengths = self.scheduler(confidence * allowed)
-        return DraftBlock(tokens, probs, conf_logits), torch.minimum(lengths, caps)
+        return block, torch.minimum(lengths, caps)
 
     def _lookup(self, texts: list[list[int]],
-                tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prompt lookup for every row: fills ``tokens`` [R, gamma] where a match drafts;
-        returns (tokens found [R] int64, match length [R] int64, 0 = none)."""
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prompt lookup for every row: (draft tokens [R, gamma] int64, 0 where none, tokens
+        found [R] int64, match length [R] int64, 0 = no match)."""
+        tokens = torch.zeros(len(texts), self.gamma, dtype=torch.int64)
         found, match_len = [], []
         for i, text in enumerate(texts):
             draft = prompt_lookup(np.asarray(text, dtype=np.int64), self.gamma,
@@ -200,8 +210,8 @@ class Speculator:
                 tokens[i, :len(draft.tokens)] = torch.tensor(draft.tokens)
             found.append(len(draft.tokens))
             match_len.append(draft.match_len)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=tokens.device)
-        return as_tensor(found), as_tensor(match_len)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+        return tokens.to(device), as_tensor(found), as_tensor(match_len)
 
     def _lookup_confidence(self, match_len: torch.Tensor) -> torch.Tensor:
         cal = self.lookup.calibration
