@@ -25,7 +25,7 @@ from dspark_serve.drafter.prompt_lookup import LookupDraft
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
 from dspark_serve.types import VerifyResult
-from tests.engine.chi_square import goodness_of_fit, histogram
+from tests.engine.exact_distribution import goodness_of_fit, histogram, prefix_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.lossless]
 
@@ -61,18 +61,7 @@ def conditionals(engines, prompt_ids) -> dict[tuple[int, ...], torch.Tensor]:
     target = engines[0].target
     probs, level = {}, [()]
     for _ in range(MAX_TOKENS):
-        cache = target.new_kv_cache(len(level), len(prompt_ids) + MAX_TOKENS)
-        ids, slots, pos, last = [], [], [], []
-        for prefix in level:
-            seq = prompt_ids + list(prefix)
-            slot = cache.allocate()
-            ids += seq
-            slots += [slot] * len(seq)
-            pos += range(len(seq))
-            last.append(len(ids) - 1)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)
-        logits = target.forward(as_tensor(ids), as_tensor(slots), as_tensor(pos), cache,
-                                as_tensor(last)).logits
+        logits = prefix_logits(target, prompt_ids, level, MAX_TOKENS)
         rows = torch.softmax(logits.double(), dim=-1).float()
         probs.update(zip(level, rows))
         level = [p + (t,) for p, row in zip(level, rows) for t in row.topk(TOP_K).indices.tolist()]

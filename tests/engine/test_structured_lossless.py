@@ -23,7 +23,7 @@ import dspark_serve.engine.llm_engine as llm_engine
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.structured.masking import bitmask_to_bool, new_bitmask
 from dspark_serve.structured.spec import regex_spec
-from tests.engine.chi_square import goodness_of_fit, histogram
+from tests.engine.exact_distribution import goodness_of_fit, histogram, prefix_logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.lossless]
 
@@ -65,17 +65,7 @@ def exact(engines, prompt_ids, digits) -> dict[tuple[int, ...], float]:
     """Probability of every output (d1, d2, EOS) under the masked target at temperature 1."""
     target, eos = engines[0].target, min(engines[0].eos_ids)
     prefixes = [()] + [(d,) for d in digits]
-    cache = target.new_kv_cache(len(prefixes), len(prompt_ids) + 2)
-    ids, slots, pos, last = [], [], [], []
-    for prefix in prefixes:
-        seq, slot = prompt_ids + list(prefix), cache.allocate()
-        ids += seq
-        slots += [slot] * len(seq)
-        pos += range(len(seq))
-        last.append(len(ids) - 1)
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)
-    logits = target.forward(as_tensor(ids), as_tensor(slots), as_tensor(pos), cache,
-                            as_tensor(last)).logits.double()
+    logits = prefix_logits(target, prompt_ids, prefixes, 2).double()
     masked = {p: torch.softmax(row[digits], dim=-1) for p, row in zip(prefixes, logits)}
     out = {(d1, d2, eos): float(masked[()][i] * masked[(d1,)][j])
            for i, d1 in enumerate(digits) for j, d2 in enumerate(digits)}
