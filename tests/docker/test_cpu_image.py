@@ -97,9 +97,13 @@ def test_image_contents(image):
                  f"stat -c %u /cache/models/{MODEL}-v1; ls -d /src /opt/dspark-serve /wheels; "
                  "for d in /opt/venv /cache; do find $d -type f -printf '%s\\n' | "
                  "awk '{s += $1} END {print s}'; done").stdout.split()
-    assert out[:5] == ["models", f"{MODEL}-v1", "dflash", "dspark", "10001"], out
-    assert len(out) == 7, out  # ls -d printed nothing: none of those exists
-    venv, cache = map(int, out[5:])  # bytes in files
+    # every drafter kind the package ships (dflash, dspark, ngram ...), as in the source tree
+    kinds = sorted(p.name for p in (ROOT / "dspark_serve/models/drafters" / MODEL).iterdir()
+                   if p.is_dir())
+    n = 2 + len(kinds)
+    assert out[:n + 1] == ["models", f"{MODEL}-v1", *kinds, "10001"], out
+    assert len(out) == n + 3, out  # ls -d printed nothing: none of those exists
+    venv, cache = map(int, out[n + 1:])  # bytes in files
     # the runtime stage adds nothing else but the user's home and passwd entries
     assert 0 <= size - base_size - venv - cache < 1e6, (size, base_size, venv, cache)
 
