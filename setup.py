@@ -77,10 +77,10 @@ setup(
     # drafters/ holds data only (no __init__.py) but is importable as a namespace package, so
     # it is declared explicitly: setuptools warns that it "would be ignored" otherwise
     packages=find_packages(include=["dspark_serve*", "profiler*", "loadtest*"])
-    + ["dspark_serve.models.drafters"],
+    + ["dspark_serve.assets.drafters"],
     include_package_data=True,
     # the shipped drafters (safetensors + config + STS calibration) travel inside the wheel
-    package_data={"dspark_serve.models.drafters": ["*/*/*"]},
+    package_data={"dspark_serve.assets.drafters": ["*/*/*"]},
     install_requires=[
         "torch>=2.9",
         "numpy",

@@ -79,7 +79,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Load the target, profile, write the files; returns the exit code."""
-    from dspark_serve.engine.target_model import TargetModel
+    from dspark_serve.model.target_model import TargetModel
     from profiler.device import device_metadata
     from profiler.report import write_profile
     from profiler.runner import device_sync, target_step
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     path = args.model
     if path is None:
-        from dspark_serve.models.default_model import default_model_path
+        from dspark_serve.assets.default_model import default_model_path
         path = default_model_path()
     torch.manual_seed(args.seed)
     model = TargetModel.from_pretrained(path, dtype=args.dtype, device=args.device,

@@ -29,7 +29,7 @@ def target_step(model, cache, *, max_requests: int | None = None,
     ``min(max_requests, free slots)`` slots of ``cache`` (returned on exit).
 
     Args:
-        model: ``dspark_serve.engine.target_model.TargetModel`` (or anything with its
+        model: ``dspark_serve.model.target_model.TargetModel`` (or anything with its
             ``forward(input_ids, slots, positions, cache, logit_indices)`` and ``weights``).
         cache: its ``KVCache`` (e.g. the engine's own, while no request runs).
         max_requests: most requests per probe; None = all free slots.

@@ -166,8 +166,8 @@ PYEOF
     "$PY" -c "from dspark_serve.scheduling.cost_table import CostTable; import sys
 CostTable((1, 4096), (100.0, 100.0), 4096).save(sys.argv[1])" "$table"
   fi
-  draft=${DSPARK_DRAFT:-$("$PY" -c "from dspark_serve.models.default_drafter import shipped_drafter_path
-from dspark_serve.models.default_model import MODEL_NAME; print(shipped_drafter_path(MODEL_NAME, 'dspark') or '')")}
+  draft=${DSPARK_DRAFT:-$("$PY" -c "from dspark_serve.assets.default_drafter import shipped_drafter_path
+from dspark_serve.assets.default_model import MODEL_NAME; print(shipped_drafter_path(MODEL_NAME, 'dspark') or '')")}
   spec_args=(--cost-table "$table")
   [[ -n "$draft" ]] && spec_args+=(--draft "$draft")
   sglang_ok=0

@@ -31,7 +31,7 @@ from dspark_serve.bench.serving import (DEFAULT_CONCURRENCY, CellResult, chat_pr
                                         run_batch)
 from dspark_serve.engine.config import QUANTIZATIONS, EngineConfig
 from dspark_serve.engine.llm_engine import LLMEngine
-from dspark_serve.models.default_model import default_gguf_path
+from dspark_serve.assets.default_model import default_gguf_path
 
 OUR_MODES = ("none", "ngram", "dflash", "dspark", "hybrid")
 LLAMA_MODES = ("llama.cpp", "llama.cpp+lookup")

@@ -151,7 +151,7 @@ def mask_costs(repeats: int = 20) -> dict[str, float]:
     SCHEMAS[1]), per backend; outlines-core only when installed."""
     from transformers import AutoTokenizer
 
-    from dspark_serve.models.default_model import default_model_path
+    from dspark_serve.assets.default_model import default_model_path
     from dspark_serve.structured.compiler import GrammarCompiler
     from dspark_serve.structured.masking import new_bitmask
 

@@ -41,7 +41,7 @@ class EngineConfig:
         default model's layers *are* Q4_1, so this serves their own 4-bit grid), bfloat16
         activations, LM head in bfloat16. Faster
         decoding at low concurrency on a CPU, slower prefill and large batches
-        (``engine.linear.Int4Linear``). Needs dtype "bfloat16".
+        (``model.linear.Int4Linear``). Needs dtype "bfloat16".
     always_draft: draft every step. By default the async scheduler skips drafting in steps
         where the drafter's measured time costs more throughput than its expected accepted
         tokens bring (then the step is a plain decode step); this turns that off, e.g. to

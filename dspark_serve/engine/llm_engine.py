@@ -40,7 +40,7 @@ from dspark_serve.engine.penalties import apply_penalties, block_history_counts
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.sampling_state import penalty_state, replay_seeded, sampling_tensors
 from dspark_serve.engine.speculator import LookupConfig, Speculator
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.sampling.warping import warp_probs
 from dspark_serve.structured.compiler import GrammarCompiler
@@ -66,8 +66,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig, AutoTokenizer
 
-        from dspark_serve.models.default_drafter import LOOKUP_GAMMA, build_drafter, drafter_source
-        from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+        from dspark_serve.assets.default_drafter import LOOKUP_GAMMA, build_drafter, drafter_source
+        from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
         self.config = config
         path = config.model or default_model_path()
@@ -367,7 +367,7 @@ class LLMEngine:
                                   meta={"model": self.model_name})
 
     def _lookup_calibration(self) -> LookupCalibration | None:
-        from dspark_serve.models.default_drafter import shipped_lookup_calibration
+        from dspark_serve.assets.default_drafter import shipped_lookup_calibration
 
         path = self.config.lookup_calibration or shipped_lookup_calibration(self.model_name)
         return LookupCalibration.load(path) if path else None

@@ -112,7 +112,7 @@ def run_lookup(args: argparse.Namespace) -> int:
     from dspark_serve.eval.engine_runs import run_prompts
     from dspark_serve.eval.loading import chat_prompts
     from dspark_serve.eval.lookup_rounds import greedy_lookup_rounds
-    from dspark_serve.models.default_drafter import LOOKUP_GAMMA, SHIPPED_DIR
+    from dspark_serve.assets.default_drafter import LOOKUP_GAMMA, SHIPPED_DIR
 
     engine = LLMEngine(EngineConfig(model=args.model, speculative="none", dtype=args.dtype,
                                     max_num_seqs=args.batch_size, seed=args.seed))

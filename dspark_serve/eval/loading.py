@@ -27,9 +27,9 @@ def load_pair(model: str | None, draft: str | None, kind: str = "dspark",
     """
     from transformers import AutoConfig, AutoTokenizer
 
-    from dspark_serve.engine.target_model import TargetModel
-    from dspark_serve.models.default_drafter import build_drafter, drafter_source
-    from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+    from dspark_serve.model.target_model import TargetModel
+    from dspark_serve.assets.default_drafter import build_drafter, drafter_source
+    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     path = model or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

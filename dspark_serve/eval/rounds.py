@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.drafter.model import DSparkDrafter
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.sampling.sampler import sample_from_probs
 from dspark_serve.sampling.warping import warp_probs
 from dspark_serve.types import SamplingTensors

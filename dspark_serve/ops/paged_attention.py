@@ -24,7 +24,7 @@ two conditions the plan enforces: L is padded to a multiple of ``KV_BLOCK`` (unp
 probs @ V reduction is blocked differently and ~1% of rows change their last bit; masked keys
 add exact zeros), and a grid row holds at most ``MAX_GRID_ROWS`` query-head rows (oneDNN
 switches bf16 matmul kernels above 32 rows). With oneDNN's row-independent bf16 linears
-(``dspark_serve.engine.linear``), a bf16 target then computes identical logits for a token
+(``dspark_serve.model.linear``), a bf16 target then computes identical logits for a token
 whether it is decoded alone, verified in a block or batched with other requests, and greedy
 speculative decoding reproduces plain decoding token for token.
 """

@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     """Resolve the model/drafter paths, then replace this process with SGLang's server."""
     from pathlib import Path
 
-    from dspark_serve.models.default_drafter import shipped_drafter_path
-    from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+    from dspark_serve.assets.default_drafter import shipped_drafter_path
+    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     model_path = args.model or default_model_path()
     name = Path(model_path).name if args.model else MODEL_NAME

@@ -94,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from dspark_serve.drafter.checkpoint import read_config
-    from dspark_serve.engine.target_model import TargetModel
-    from dspark_serve.models.default_drafter import default_drafter_config
-    from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+    from dspark_serve.model.target_model import TargetModel
+    from dspark_serve.assets.default_drafter import default_drafter_config
+    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -177,8 +177,8 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
         ValueError: bad config, an ``init_from`` without a pruned vocabulary, or an empty cache.
     """
     if target is None:
-        from dspark_serve.engine.target_model import TargetModel
-        from dspark_serve.models.default_model import default_model_path
+        from dspark_serve.model.target_model import TargetModel
+        from dspark_serve.assets.default_model import default_model_path
 
         target = TargetModel.from_pretrained(cfg.model or default_model_path(), dtype="bfloat16")
     out = Path(cfg.out)

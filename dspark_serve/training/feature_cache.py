@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 
 META_FILE = "meta.json"
 _SHARD = re.compile(r"^shard-(\d+)\.pt$")

@@ -22,8 +22,8 @@ def run_accept(args: argparse.Namespace) -> int:
     import torch
 
     from dspark_serve.drafter.checkpoint import load_drafter
-    from dspark_serve.engine.target_model import TargetModel
-    from dspark_serve.models.default_model import default_model_path
+    from dspark_serve.model.target_model import TargetModel
+    from dspark_serve.assets.default_model import default_model_path
     from dspark_serve.training.feature_cache import FeatureCache
     from dspark_serve.training.heldout_accept import heldout_acceptance
     from dspark_serve.training.train_cached_cli import keep_freed_memory

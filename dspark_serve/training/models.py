@@ -37,9 +37,9 @@ def build_models(cfg, resume_from: Path | None):
     from transformers import AutoConfig, AutoTokenizer
 
     from dspark_serve.drafter.checkpoint import read_config
-    from dspark_serve.engine.target_model import TargetModel
-    from dspark_serve.models.default_drafter import default_drafter_config
-    from dspark_serve.models.default_model import MODEL_NAME, default_model_path
+    from dspark_serve.model.target_model import TargetModel
+    from dspark_serve.assets.default_drafter import default_drafter_config
+    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     path = cfg.model or default_model_path()
     name = Path(path).name if cfg.model else MODEL_NAME

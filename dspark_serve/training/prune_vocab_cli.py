@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from dspark_serve.data.prompt_sets import load_records
     from dspark_serve.drafter.checkpoint import prune_draft_vocab, read_config
     from dspark_serve.drafter.draft_vocab import most_frequent_tokens
-    from dspark_serve.models.default_model import default_model_path
+    from dspark_serve.assets.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path())
     answers = [r.reference for r in load_records("sharegpt", args.corpus_limit) if r.reference]

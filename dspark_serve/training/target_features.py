@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.training.anchors import BlockLayout
 
 

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from dspark_serve.bench import step_profile
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 
 
 def tiny_model():

@@ -91,14 +91,14 @@ def test_image_contents(image):
     config = json.loads(docker("image", "inspect", "-f", "{{json .Config}}", IMAGE).stdout)
     assert not config.get("Volumes")
     assert config["User"] == "10001:10001"
-    drafters = f"/opt/venv/lib/python3.11/site-packages/dspark_serve/models/drafters/{MODEL}"
+    drafters = f"/opt/venv/lib/python3.11/site-packages/dspark_serve/assets/drafters/{MODEL}"
     out = docker("run", "--rm", "--network", "none", "--entrypoint", "sh", IMAGE, "-c",
                  f"ls /cache; ls /cache/models; ls {drafters}; "
                  f"stat -c %u /cache/models/{MODEL}-v1; ls -d /src /opt/dspark-serve /wheels; "
                  "for d in /opt/venv /cache; do find $d -type f -printf '%s\\n' | "
                  "awk '{s += $1} END {print s}'; done").stdout.split()
     # every drafter kind the package ships (dflash, dspark, ngram ...), as in the source tree
-    kinds = sorted(p.name for p in (ROOT / "dspark_serve/models/drafters" / MODEL).iterdir()
+    kinds = sorted(p.name for p in (ROOT / "dspark_serve/assets/drafters" / MODEL).iterdir()
                    if p.is_dir())
     n = 2 + len(kinds)
     assert out[:n + 1] == ["models", f"{MODEL}-v1", *kinds, "10001"], out

@@ -6,7 +6,7 @@ import unittest
 
 import torch
 
-from dspark_serve.engine.kv_cache import KVCache
+from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.ops import cuda_ops_available, varlen_attention, varlen_attention_reference
 from dspark_serve.ops.paged_attention import varlen_kernel_applies
 

@@ -100,7 +100,7 @@ def test_locust_command_bounds(tmp_path):
 def test_llama_cpp_configs_start_its_openai_server(tmp_path, monkeypatch):
     """llama.cpp configurations run ``python -m llama_cpp.server`` on the default model's GGUF
     file, with serve's default thread count, healthy at /v1/models; ours run ``serve``."""
-    import dspark_serve.models.default_model as default_model
+    import dspark_serve.assets.default_model as default_model
 
     monkeypatch.setattr(default_model, "default_gguf_path", lambda: "/m/SmolLM2.gguf")
     monkeypatch.setattr(sweep.os, "cpu_count", lambda: 4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.engine.kv_cache import KVCache
+from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.ops import varlen_attention, varlen_attention_reference
 from dspark_serve.ops.paged_attention import KV_BLOCK, plan_varlen
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dspark_serve.engine.kv_cache import KVCache
+from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.scheduling.cost_table import CostTable
 from profiler.cli import main
 from profiler.runner import profile_cost_table, target_step
@@ -71,7 +71,7 @@ def tiny_llama(tmp_path_factory):
 
 
 def test_startup_profile(tiny_llama):
-    from dspark_serve.engine.target_model import TargetModel
+    from dspark_serve.model.target_model import TargetModel
     model = TargetModel.from_pretrained(str(tiny_llama))
     cache = model.new_kv_cache(num_slots=4, max_len=40)
     fast = dict(time_budget_s=60.0, warmup=0, repeats=1)

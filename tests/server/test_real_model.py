@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from dspark_serve.models.default_model import MODEL_NAME
+from dspark_serve.assets.default_model import MODEL_NAME
 from dspark_serve.scheduling.cost_table import CostTable
 
 pytestmark = pytest.mark.slow

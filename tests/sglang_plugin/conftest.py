@@ -94,7 +94,7 @@ def _healthy(url: str) -> bool:
 @pytest.fixture(scope="session")
 def default_model() -> str:
     """The default target folder (converted once and cached)."""
-    from dspark_serve.models.default_model import default_model_path
+    from dspark_serve.assets.default_model import default_model_path
 
     return default_model_path()
 

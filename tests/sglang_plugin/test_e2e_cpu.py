@@ -22,8 +22,8 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (pip install 'dspark-serve[sglang]')")
 
 from dspark_serve.data.prompt_sets import load_prompts  # noqa: E402
-from dspark_serve.models.default_drafter import shipped_drafter_path  # noqa: E402
-from dspark_serve.models.default_model import MODEL_NAME  # noqa: E402
+from dspark_serve.assets.default_drafter import shipped_drafter_path  # noqa: E402
+from dspark_serve.assets.default_model import MODEL_NAME  # noqa: E402
 from dspark_serve.scheduling.cost_table import CostTable  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ EOS = 2  # SmolLM2-Instruct's <|im_end|>
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from dspark_serve.models.default_model import default_model_path
+    from dspark_serve.assets.default_model import default_model_path
 
     return AutoTokenizer.from_pretrained(default_model_path())
 

@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.model import DSparkDrafter
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.training.dataset import SEQUENCES_FILE, append_record
 from dspark_serve.training.models import init_weights
 

@@ -13,7 +13,7 @@ from dspark_serve.drafter.checkpoint import load_drafter, save_drafter
 from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.draft_vocab import d2t_from_ids, pruned_lm_head
 from dspark_serve.drafter.model import DSparkDrafter
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.training.anchors import block_layout
 from dspark_serve.training.cache_batch import draft_index_map, sequence_targets
 from dspark_serve.training.cache_features import build_cache

@@ -5,7 +5,7 @@ to the same cache."""
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.engine.target_model import TargetModel
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.training.cache_features import build_cache
 from dspark_serve.training.feature_cache import (FeatureCache, head_lse_greedy, target_logits_rows,
                                                  write_meta)

@@ -114,8 +114,8 @@ def test_time_budget_lowers_the_step_count_once(tmp_path, make_target, make_draf
 def test_init_from_starts_at_the_shipped_drafter(tmp_path, kind):
     """``--init-from`` warm-starts from a drafter folder: the run's drafter has its weights
     (float32) and config, on the default model."""
-    from dspark_serve.models.default_drafter import shipped_drafter_path
-    from dspark_serve.models.default_model import MODEL_NAME
+    from dspark_serve.assets.default_drafter import shipped_drafter_path
+    from dspark_serve.assets.default_model import MODEL_NAME
     from dspark_serve.training.models import build_models
 
     shipped = shipped_drafter_path(MODEL_NAME, kind)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from dspark_serve.models import default_model
+from dspark_serve.assets import default_model
 
 
 def _fake_convert(final):

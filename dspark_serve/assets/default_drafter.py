@@ -1,6 +1,6 @@
 """Drafters for a target when ``--draft`` is not given.
 
-A trained drafter shipped for the target (``dspark_serve/models/drafters/<target>/<kind>``,
+A trained drafter shipped for the target (``dspark_serve/assets/drafters/<target>/<kind>``,
 DeepSpec format, issue 4) is used when present. Otherwise the engine builds an untrained
 drafter of the default shape, seeded so every start is identical: it runs the whole DSpark
 pipeline but accepts almost nothing, which keeps outputs exact (verification is lossless)
@@ -17,7 +17,7 @@ from dspark_serve.calibration.lookup import FILE_NAME as LOOKUP_FILE_NAME
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
 from dspark_serve.drafter.config import DSparkConfig
 from dspark_serve.drafter.model import DSparkDrafter
-from dspark_serve.engine.linear import pack_linears
+from dspark_serve.model.linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
     the linears are packed where that is faster (``pack_linears``); no gradients.
 
     Args:
-        target: ``dspark_serve.engine.target_model.TargetModel``.
+        target: ``dspark_serve.model.target_model.TargetModel``.
     """
     if path is not None:
         # a pruned draft vocabulary slices rows of the LM head's weight (the serving head is

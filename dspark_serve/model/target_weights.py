@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.engine.linear import Int4Linear, Linear, make_linear
+from dspark_serve.model.linear import Int4Linear, Linear, make_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Their inverse frequencies are rescaled with the running sequence length, so one position

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from dspark_serve.engine.target_model import TargetModel
-from dspark_serve.engine.target_weights import load_weights
+from dspark_serve.model.target_model import TargetModel
+from dspark_serve.model.target_weights import load_weights
 from dspark_serve.sampling.sampler import sample_from_probs
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
@@ -295,7 +295,7 @@ def default_model():
     """(path, transformers model in float32, chat prompts as token ids) of SmolLM2-135M."""
     from transformers import AutoTokenizer
 
-    from dspark_serve.models.default_model import default_model_path
+    from dspark_serve.assets.default_model import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path)

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.engine.linear import (INT4_GROUP, Int4Linear, Linear, _by_row_chunks,
+from dspark_serve.model.linear import (INT4_GROUP, Int4Linear, Linear, _by_row_chunks,
                                        _can_pack, make_linear, pack_linears, row_limits)
 
 

@@ -51,9 +51,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_serve.engine.kv_cache import KVCache
-from dspark_serve.engine.linear import flat_call
-from dspark_serve.engine.target_weights import TargetWeights, load_weights
+from dspark_serve.model.kv_cache import KVCache
+from dspark_serve.model.linear import flat_call
+from dspark_serve.model.target_weights import TargetWeights, load_weights
 from dspark_serve.ops.paged_attention import plan_varlen, varlen_attention, varlen_kernel_applies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dspark_serve.engine.kv_cache import KVCache
+from dspark_serve.model.kv_cache import KVCache
 
 
 def make(num_slots=3, max_len=8):
