@@ -65,6 +65,7 @@ def _cuda_build():
 
 
 EXT_MODULES, CMDCLASS = _cuda_build()
+TOOLS = ("profiler", "loadtest")  # top-level folders, installed as dspark_serve.<tool>
 
 setup(
     name="dspark-serve",
@@ -75,9 +76,12 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     # drafters/ holds data only (no __init__.py) but is importable as a namespace package, so
-    # it is declared explicitly: setuptools warns that it "would be ignored" otherwise
-    packages=find_packages(include=["dspark_serve*", "profiler*", "loadtest*"])
-    + ["dspark_serve.assets.drafters"],
+    # it is declared explicitly: setuptools warns that it "would be ignored" otherwise.
+    # The tools in profiler/ and loadtest/ install under dspark_serve., not as top-level names
+    # other PyPI packages already use.
+    packages=find_packages(include=["dspark_serve*"]) + ["dspark_serve.assets.drafters"]
+    + [f"dspark_serve.{tool}" for tool in TOOLS],
+    package_dir={f"dspark_serve.{tool}": tool for tool in TOOLS},
     include_package_data=True,
     # the shipped drafters (safetensors + config + STS calibration) travel inside the wheel
     package_data={"dspark_serve.assets.drafters": ["*/*/*"]},

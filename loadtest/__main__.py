@@ -1,5 +1,5 @@
 import sys
 
-from loadtest.cli import main
+from dspark_serve.loadtest.cli import main
 
 sys.exit(main())

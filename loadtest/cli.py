@@ -1,9 +1,9 @@
-"""``python -m loadtest sweep|plot`` (also ``dspark-serve loadtest sweep|plot``).
+"""``python -m dspark_serve.loadtest sweep|plot`` (also ``dspark-serve loadtest sweep|plot``).
 
 The documented full sweep (none / dflash / dspark at concurrency 1, 2, 4, 8, 16 against fresh
 embedded servers on loopback, at most 15 minutes, CSV + PNGs into out/sweep):
 
-    python -m loadtest sweep --out out/sweep
+    python -m dspark_serve.loadtest sweep --out out/sweep
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from loadtest.sweep import ALL_CONFIGS, SweepOptions
+from dspark_serve.loadtest.sweep import ALL_CONFIGS, SweepOptions
 
 
 def _ints(text: str) -> list[int]:
@@ -94,8 +94,8 @@ def add_commands(p: argparse.ArgumentParser) -> None:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from loadtest.plot import plot_sweep
-    from loadtest.sweep import run_sweep
+    from dspark_serve.loadtest.plot import plot_sweep
+    from dspark_serve.loadtest.sweep import run_sweep
     try:
         opts = SweepOptions(
             out_dir=Path(args.out), configs=args.configs, concurrency=args.concurrency,
@@ -119,7 +119,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from loadtest.plot import plot_sweep
+    from dspark_serve.loadtest.plot import plot_sweep
     try:
         paths = plot_sweep(args.summary, args.out, args.sla)
     except (OSError, ValueError) as exc:
@@ -131,7 +131,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest",
+    parser = argparse.ArgumentParser(prog="python -m dspark_serve.loadtest",
                                      description=__doc__.splitlines()[0])
     add_commands(parser)
     args = parser.parse_args(argv)

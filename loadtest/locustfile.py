@@ -26,10 +26,10 @@ import gevent
 from locust import HttpUser, events, task
 from locust.exception import StopUser
 
-from loadtest import prom
-from loadtest.records import StreamTracker
-from loadtest.server import is_loopback
-from loadtest.workload import Workload
+from dspark_serve.loadtest import prom
+from dspark_serve.loadtest.records import StreamTracker
+from dspark_serve.loadtest.server import is_loopback
+from dspark_serve.loadtest.workload import Workload
 
 logger = logging.getLogger("loadtest")
 ENDPOINT = "/v1/chat/completions"

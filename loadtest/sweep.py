@@ -8,7 +8,7 @@ A total time budget bounds the whole sweep: each run gets an equal share of what
 largest server start + warm-up + stop time seen so far comes off it, and the rest is split into
 the measured run (two thirds, at most ``run_time_s``) and a tail in which requests still in
 flight may finish (Locust's ``--stop-timeout``, at most ``MAX_TAIL_S``; it ends as soon as they
-have). Runs that no longer fit are recorded as skipped, so ``python -m loadtest sweep`` finishes
+have). Runs that no longer fit are recorded as skipped, so ``python -m dspark_serve.loadtest sweep`` finishes
 in the stated time on any machine.
 """
 from __future__ import annotations
@@ -24,9 +24,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.records import RequestRecord, read_records
-from loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
-from loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
+from dspark_serve.loadtest.records import RequestRecord, read_records
+from dspark_serve.loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
+from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 # name -> dspark-serve serve flags
@@ -61,7 +61,7 @@ RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(RequestRecord))
 
 @dataclass
 class SweepOptions:
-    """Everything one sweep needs (``python -m loadtest sweep --help`` documents each)."""
+    """Everything one sweep needs (``python -m dspark_serve.loadtest sweep --help`` documents each)."""
 
     out_dir: Path
     configs: list[str] = field(default_factory=lambda: ["none", "dflash", "dspark"])
@@ -107,13 +107,6 @@ def locust_command(opts: SweepOptions, url: str, users: int, run_time_s: int,
             "--workload-seed", str(opts.seed)]
 
 
-def _env() -> dict[str, str]:
-    # the Locust file imports ``loadtest``: importable even from a source tree not installed
-    root = str(Path(__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
-
-
 def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int,
             tail_s: int = 0) -> tuple[dict, list, float]:
     """Start a server, warm it up, run Locust; returns (summary row, request records, seconds
@@ -133,7 +126,7 @@ def run_one(opts: SweepOptions, config: str, users: int, run_time_s: int,
                 t0 = time.monotonic()
                 locust = subprocess.run(
                     locust_command(opts, server.url, users, run_time_s, run_dir, tail_s),
-                    env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                    stdout=log, stderr=subprocess.STDOUT,
                     timeout=LOCUST_START_S + run_time_s + tail_s + 120)
                 locust_s = time.monotonic() - t0
     except ServerError as exc:

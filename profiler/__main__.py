@@ -1,5 +1,5 @@
 import sys
 
-from profiler.cli import main
+from dspark_serve.profiler.cli import main
 
 sys.exit(main())

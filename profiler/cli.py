@@ -1,11 +1,11 @@
-"""``dspark-serve profile`` / ``python -m profiler``: SPS(B) of the embedded engine's target
+"""``dspark-serve profile`` / ``python -m dspark_serve.profiler``: SPS(B) of the embedded engine's target
 forward on this machine, written as ``{SKU}.json`` (the cost table ``dspark-serve serve
 --cost-table`` and SGLang load) and ``{SKU}.png``.
 
 A small CPU grid in under two minutes (one thread also keeps a shared, busy machine from
 stalling on thread synchronisation):
 
-    python -m profiler --max-batch-tokens 32 --per-octave 2 --context-lens 128,512 \
+    python -m dspark_serve.profiler --max-batch-tokens 32 --per-octave 2 --context-lens 128,512 \
         --warmup 1 --repeats 3 --threads 1
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import torch
 
 from dspark_serve.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
-from profiler.sps import batch_grid, profile_sps
+from dspark_serve.profiling.sps import batch_grid, profile_sps
 
 _DEFAULT_REQUESTS = EngineConfig.__dataclass_fields__["max_num_seqs"].default
 
@@ -80,9 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Load the target, profile, write the files; returns the exit code."""
     from dspark_serve.model.target_model import TargetModel
-    from profiler.device import device_metadata
-    from profiler.report import write_profile
-    from profiler.runner import device_sync, target_step
+    from dspark_serve.profiler.device import device_metadata
+    from dspark_serve.profiler.report import write_profile
+    from dspark_serve.profiling.runner import device_sync, target_step
 
     if args.max_batch_tokens < 1 or args.requests < 1 or args.repeats < 1 or args.warmup < 0:
         print("error: need --max-batch-tokens, --requests, --repeats >= 1 and --warmup >= 0",
@@ -127,6 +127,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m profiler", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m dspark_serve.profiler", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))

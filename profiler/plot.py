@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: the profiler runs on servers and in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from profiler.sps import SpsProfile  # noqa: E402
+from dspark_serve.profiling.sps import SpsProfile  # noqa: E402
 
 
 def plot_profile(profile: SpsProfile, path: str | Path, title: str = "") -> Path:

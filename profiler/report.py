@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from profiler.sps import SpsProfile, cost_table_from_profile
+from dspark_serve.profiling.sps import SpsProfile, cost_table_from_profile
 
 
 def write_profile(profile: SpsProfile, out_dir: str | Path, *, meta: dict[str, Any],
@@ -28,7 +28,7 @@ def write_profile(profile: SpsProfile, out_dir: str | Path, *, meta: dict[str, A
     table.save(json_path)
     png_path = None
     if plot:
-        from profiler.plot import plot_profile  # matplotlib only when a figure is wanted
+        from dspark_serve.profiler.plot import plot_profile  # matplotlib only when a figure is wanted
         title = f"{sku}" + (f" - {meta['model']}" if meta.get("model") else "")
         png_path = plot_profile(profile, out_dir / f"{sku}.png", title=title)
     return json_path, png_path

@@ -357,7 +357,7 @@ class LLMEngine:
             return CostTable.load(self.config.cost_table)
         if scheduler not in NEEDS_COST_TABLE:
             return None
-        from profiler import profile_cost_table
+        from dspark_serve.profiling.runner import profile_cost_table
 
         max_b = self.config.max_batch_tokens or self.config.max_num_seqs * (
             (self.config.gamma or 16) + 1)

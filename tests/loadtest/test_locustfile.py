@@ -6,9 +6,9 @@ import csv
 import json
 import subprocess
 
-from loadtest.records import read_records
-from loadtest.server import ManagedServer
-from loadtest.sweep import SweepOptions, _env, locust_command
+from dspark_serve.loadtest.records import read_records
+from dspark_serve.loadtest.server import ManagedServer
+from dspark_serve.loadtest.sweep import SweepOptions, locust_command
 
 # prompts the fake engine (character tokens, 256-token context) can take
 SMALL = dict(prompt_sets="mtbench,sharegpt", max_prompt_chars=150, max_tokens=32, min_tokens=4,
@@ -19,7 +19,7 @@ def test_headless_run_records_requests(tmp_path, fake_server_cmd):
     opts = SweepOptions(out_dir=tmp_path, **SMALL)
     with ManagedServer(["--speculative", "dspark"], tmp_path / "server.log",
                        server_cmd=fake_server_cmd) as server:
-        proc = subprocess.run(locust_command(opts, server.url, 4, 4, tmp_path), env=_env(),
+        proc = subprocess.run(locust_command(opts, server.url, 4, 4, tmp_path),
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = read_records(tmp_path / "requests.jsonl")
@@ -58,7 +58,7 @@ def test_headless_run_records_requests(tmp_path, fake_server_cmd):
 def test_max_requests_bound(tmp_path, fake_server_cmd):
     opts = SweepOptions(out_dir=tmp_path, max_requests=6, **SMALL)
     with ManagedServer([], tmp_path / "server.log", server_cmd=fake_server_cmd) as server:
-        proc = subprocess.run(locust_command(opts, server.url, 3, 60, tmp_path), env=_env(),
+        proc = subprocess.run(locust_command(opts, server.url, 3, 60, tmp_path),
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(read_records(tmp_path / "requests.jsonl")) == 6  # long before the 60 s limit
@@ -68,7 +68,7 @@ def test_refuses_remote_host(tmp_path):
     opts = SweepOptions(out_dir=tmp_path, **SMALL)
     # TEST-NET-1 address: never contacted, the Locust file refuses it before any request
     proc = subprocess.run(locust_command(opts, "http://192.0.2.1:9", 1, 5, tmp_path),
-                          env=_env(), capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "refusing non-loopback host" in proc.stderr
     assert not (tmp_path / "requests.jsonl").exists()

@@ -6,9 +6,9 @@ import csv
 import matplotlib.image
 import pytest
 
-from loadtest.plot import (default_sla, load_summary, pareto_frontier, plot_sweep,
+from dspark_serve.loadtest.plot import (default_sla, load_summary, pareto_frontier, plot_sweep,
                            throughput_at_sla)
-from loadtest.summary import SUMMARY_FIELDS, failed_row
+from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row
 
 
 def test_pareto_frontier():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from loadtest.records import StreamTracker
+from dspark_serve.loadtest.records import StreamTracker
 
 
 def _data(obj) -> str:

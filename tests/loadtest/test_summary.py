@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
+from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
 
 
 def _rec(t_start, t_end, tokens, tok_s_user, ttft, ok=True, rounds=None, accepted=None):

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from loadtest import sweep
-from loadtest.cli import main
-from loadtest.summary import failed_row
-from loadtest.sweep import SweepOptions, locust_command, run_sweep
+from dspark_serve.loadtest import sweep
+from dspark_serve.loadtest.cli import main
+from dspark_serve.loadtest.summary import failed_row
+from dspark_serve.loadtest.sweep import SweepOptions, locust_command, run_sweep
 
 
 def test_sweep_end_to_end(tmp_path, fake_server_cmd):

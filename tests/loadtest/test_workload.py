@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from dspark_serve.data.prompt_sets import PromptRecord
-from loadtest.workload import THINK_CAP_FACTOR, Workload
+from dspark_serve.loadtest.workload import THINK_CAP_FACTOR, Workload
 
 
 def _workload(**kwargs) -> Workload:

@@ -1,5 +1,5 @@
 """Profiling the embedded engine's target forward: the probe layout over KV-cache slots, the
-startup profile, and ``python -m profiler`` end to end on a tiny random Llama."""
+startup profile, and ``python -m dspark_serve.profiler`` end to end on a tiny random Llama."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -9,9 +9,9 @@ import torch
 
 from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.scheduling.cost_table import CostTable
-from profiler.cli import main
-from profiler.runner import profile_cost_table, target_step
-from profiler.sps import batch_grid
+from dspark_serve.profiler.cli import main
+from dspark_serve.profiling.runner import profile_cost_table, target_step
+from dspark_serve.profiling.sps import batch_grid
 
 
 class RecordingModel:

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from dspark_serve.scheduling.cost_table import CostTable
-from profiler import sps as sps_module
-from profiler.device import device_metadata, device_sku, sanitize
-from profiler.report import write_profile
-from profiler.sps import SpsProfile, batch_grid, cost_table_from_profile, profile_sps
+from dspark_serve.profiling import sps as sps_module
+from dspark_serve.profiler.device import device_metadata, device_sku, sanitize
+from dspark_serve.profiler.report import write_profile
+from dspark_serve.profiling.sps import SpsProfile, batch_grid, cost_table_from_profile, profile_sps
 
 
 @pytest.mark.parametrize("max_b,per_octave,expected", [

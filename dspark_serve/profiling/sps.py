@@ -5,7 +5,7 @@ Section 5.2 on its jagged, step-wise shape, which is why the grid is dense betwe
 
 The forward is abstracted as ``step(batch_tokens, context_len)``: run one target forward with
 ``batch_tokens`` new tokens, each attending to ``context_len`` cached tokens, and return when
-the result is ready (``profiler.runner`` builds it from the embedded engine's target runner).
+the result is ready (``dspark_serve.profiling.runner`` builds it from the embedded engine's target runner).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from dspark_serve.scheduling.cost_table import CostTable
-from profiler.sps import StepFn, batch_grid, cost_table_from_profile, profile_sps
+from dspark_serve.profiling.sps import StepFn, batch_grid, cost_table_from_profile, profile_sps
 
 KV_FILL_STD = 0.5  # random cached keys/values: real data, never the OS's shared zero page
 
