@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+# Weight / activation dtypes the engine serves in, by their CLI / config names.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 @dataclass
 class SamplingTensors:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark_serve.assets.default_model import default_gguf_path
 from dspark_serve.loadtest.records import RequestRecord, read_records
 from dspark_serve.loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
 from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
@@ -152,7 +153,6 @@ def _server(opts: SweepOptions, config: str, log: Path) -> ManagedServer:
     if config in CONFIGS:
         return ManagedServer([*CONFIGS[config], *opts.server_args], log,
                              server_cmd=opts.server_cmd, startup_timeout_s=opts.startup_timeout_s)
-    from dspark_serve.assets.default_model import default_gguf_path
 
     threads = str(max(1, (os.cpu_count() or 2) - 1))
     return ManagedServer(["--model", default_gguf_path(), "--model_alias", "default",

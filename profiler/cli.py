@@ -17,8 +17,9 @@ import sys
 
 import torch
 
-from dspark_serve.engine.config import DTYPES, QUANTIZATIONS, EngineConfig
+from dspark_serve.engine.config import QUANTIZATIONS, EngineConfig
 from dspark_serve.profiling.sps import batch_grid, profile_sps
+from dspark_serve.types import DTYPES
 
 _DEFAULT_REQUESTS = EngineConfig.__dataclass_fields__["max_num_seqs"].default
 

@@ -15,14 +15,13 @@ import torch
 
 from dspark_serve.calibration.lookup import FILE_NAME as LOOKUP_FILE_NAME
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
-from dspark_serve.drafter.config import DSparkConfig
+from dspark_serve.drafter.config import DRAFTER_KINDS, DSparkConfig
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.model.linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
 SHIPPED_DIR = Path(__file__).parent / "drafters"
-KINDS = ("dspark", "dflash")
 # Default drafter shape (issue 4: trainable on a 2-core CPU, <= 40 MB in bf16).
 NUM_DRAFT_LAYERS = 2
 BLOCK_SIZE = 7
@@ -57,8 +56,8 @@ def default_drafter_config(target_config, kind: str, mask_token_id: int) -> DSpa
     """The default drafter shape for a transformers target config: NUM_DRAFT_LAYERS layers at the
     target's width; "dspark" adds a Markov head of rank MARKOV_RANK and a confidence head,
     "dflash" is the same backbone without them (the paper's ablation baseline)."""
-    if kind not in KINDS:
-        raise ValueError(f"drafter kind must be one of {KINDS}, got {kind!r}")
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"drafter kind must be one of {DRAFTER_KINDS}, got {kind!r}")
     hidden = target_config.hidden_size
     heads = target_config.num_attention_heads
     dspark = kind == "dspark"

@@ -31,8 +31,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from dspark_serve.engine.config import DTYPES, QUANTIZATIONS, SCHEDULERS, EngineConfig
+from dspark_serve.data.prompt_sets import load_prompts
+from dspark_serve.engine.config import QUANTIZATIONS, EngineConfig
+from dspark_serve.engine.llm_engine import LLMEngine
 from dspark_serve.engine.params import SamplingParams
+from dspark_serve.scheduling import SCHEDULER_NAMES
+from dspark_serve.types import DTYPES
 
 MODES = ("none", "ngram", "dspark", "hybrid", "dflash")
 DEFAULT_CONCURRENCY = (1, 4, 16)
@@ -56,7 +60,6 @@ class CellResult:
 
 def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     """Token ids of the first ``count`` MT-Bench first turns (cycled if count > 80)."""
-    from dspark_serve.data.prompt_sets import load_prompts
 
     texts = load_prompts("mtbench")
     ids = []
@@ -159,7 +162,6 @@ def engine_config(mode: str, args: argparse.Namespace) -> EngineConfig:
 
 def run_mode(mode: str, args: argparse.Namespace) -> tuple[list[CellResult], str | None]:
     """All concurrencies of one mode on one engine (and its profile if asked)."""
-    from dspark_serve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(engine_config(mode, args))
     prompts = chat_prompts(engine.tokenizer, max(args.concurrency))
@@ -200,7 +202,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="output tokens per request (default: %(default)s)")
     parser.add_argument("--max-model-len", type=positive_int, default=1024,
                         help="engine context limit (default: %(default)s)")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="async",
+    parser.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="async",
                         help="dspark verify-length scheduler (default: %(default)s)")
     parser.add_argument("--gamma", type=positive_int, help="block size (default: the drafter's)")
     parser.add_argument("--cost-table", help="SPS cost table JSON (default: profile at start)")

@@ -18,8 +18,10 @@ import time
 
 import torch
 
+from dspark_serve.assets.default_model import default_model_path
 from dspark_serve.model.kv_cache import KVCache
-from dspark_serve.model.target_model import DTYPES, TargetModel
+from dspark_serve.model.target_model import TargetModel
+from dspark_serve.types import DTYPES
 
 DEFAULT_BATCH_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -127,7 +129,6 @@ def _load_text() -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dspark_serve.assets.default_model import default_model_path
 
     torch.set_num_threads(args.threads)
     model = TargetModel.from_pretrained(args.model or default_model_path(), dtype=args.dtype)

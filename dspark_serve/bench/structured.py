@@ -25,9 +25,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from dspark_serve.assets.default_model import default_model_path
 from dspark_serve.bench.serving import positive_int, chat_prompts
-from dspark_serve.engine.config import SCHEDULERS, EngineConfig
+from dspark_serve.engine.config import EngineConfig
+from dspark_serve.engine.llm_engine import LLMEngine
 from dspark_serve.engine.params import SamplingParams
+from dspark_serve.scheduling import SCHEDULER_NAMES
+from dspark_serve.structured.compiler import GrammarCompiler
+from dspark_serve.structured.masking import new_bitmask
 from dspark_serve.structured.spec import json_schema_spec
 
 # name -> (speculative, mask_drafts)
@@ -117,7 +122,6 @@ def run_cell(engine, mode: str, workload: str,
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[Cell]:
-    from dspark_serve.engine.llm_engine import LLMEngine
 
     speculative, mask = MODES[mode]
     engine = LLMEngine(EngineConfig(speculative=speculative, scheduler=args.scheduler,
@@ -150,10 +154,6 @@ def mask_costs(repeats: int = 20) -> dict[str, float]:
     """Mean microseconds to fill one position's mask while replaying ANSWER (schema
     SCHEMAS[1]), per backend; outlines-core only when installed."""
     from transformers import AutoTokenizer
-
-    from dspark_serve.assets.default_model import default_model_path
-    from dspark_serve.structured.compiler import GrammarCompiler
-    from dspark_serve.structured.masking import new_bitmask
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     vocab = len(tokenizer)
@@ -222,7 +222,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="engine context limit (default: %(default)s)")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampling temperature of every request (default: greedy)")
-    parser.add_argument("--scheduler", choices=SCHEDULERS, default="async",
+    parser.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="async",
                         help="dspark verify-length scheduler (default: %(default)s)")
     parser.add_argument("--always-draft", action="store_true",
                         help="draft every step (measures acceptance; default: the scheduler "

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_MODES = ("none", "dflash", "dspark", "ngram", "hybrid")
+from dspark_serve.drafter.config import DRAFTER_KINDS
+from dspark_serve.scheduling import SCHEDULER_NAMES
+from dspark_serve.types import DTYPES
+
+SPECULATIVE_MODES = ("none", *DRAFTER_KINDS, "ngram", "hybrid")
 # modes that run the drafter / prompt lookup
-DRAFTER_MODES = ("dflash", "dspark", "hybrid")
+DRAFTER_MODES = (*DRAFTER_KINDS, "hybrid")
 LOOKUP_MODES = ("ngram", "hybrid")
-SCHEDULERS = ("algorithm1", "async", "static", "threshold")
-DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int4")
 
 
@@ -86,7 +88,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name, value, allowed in (("speculative", self.speculative, SPECULATIVE_MODES),
-                                     ("scheduler", self.scheduler, SCHEDULERS),
+                                     ("scheduler", self.scheduler, SCHEDULER_NAMES),
                                      ("dtype", self.dtype, DTYPES),
                                      ("quantization", self.quantization, QUANTIZATIONS)):
             if value not in allowed:

@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 
+from dspark_serve.drafter.config import DRAFTER_KINDS
+
 BENCHMARKS = {"mtbench": "MT-Bench", "humaneval": "HumanEval", "alpaca": "AlpacaEval"}
 
 
@@ -24,7 +26,7 @@ def add_parser(subparsers) -> None:
                    help="target HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None,
                    help="drafter folder (default: the shipped one of --kind)")
-    p.add_argument("--kind", choices=("dspark", "dflash", "ngram", "hybrid"), default="dspark",
+    p.add_argument("--kind", choices=(*DRAFTER_KINDS, "ngram", "hybrid"), default="dspark",
                    help="ngram / hybrid run through the engine (static scheduler: every draft "
                         "verified), reporting tau and conditional acceptance")
     p.add_argument("--engine", action="store_true",

@@ -4,6 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark_serve.assets.default_drafter import build_drafter, drafter_source
+from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
+from dspark_serve.model.target_model import TargetModel
+
 
 @dataclass
 class Pair:
@@ -26,10 +30,6 @@ def load_pair(model: str | None, draft: str | None, kind: str = "dspark",
         ValueError: no drafter given or shipped, or a drafter that does not fit the target.
     """
     from transformers import AutoConfig, AutoTokenizer
-
-    from dspark_serve.model.target_model import TargetModel
-    from dspark_serve.assets.default_drafter import build_drafter, drafter_source
-    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     path = model or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -55,8 +55,7 @@ from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.model.linear import flat_call
 from dspark_serve.model.target_weights import TargetWeights, load_weights
 from dspark_serve.ops.paged_attention import plan_varlen, varlen_attention, varlen_kernel_applies
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from dspark_serve.types import DTYPES
 
 
 @dataclass

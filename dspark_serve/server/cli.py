@@ -6,8 +6,9 @@ import dataclasses
 import logging
 import os
 
-from dspark_serve.engine.config import (DTYPES, QUANTIZATIONS, SCHEDULERS, SPECULATIVE_MODES,
-                                         EngineConfig)
+from dspark_serve.engine.config import QUANTIZATIONS, SPECULATIVE_MODES, EngineConfig
+from dspark_serve.scheduling import SCHEDULER_NAMES
+from dspark_serve.types import DTYPES
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BACKENDS = ("embedded", "sglang")
@@ -29,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "dspark: full DSpark; ngram: prompt lookup alone; hybrid: prompt "
                         "lookup where the text repeats, DSpark elsewhere, one scheduled pool "
                         "(default: %(default)s)")
-    p.add_argument("--scheduler", choices=SCHEDULERS, default=_DEFAULTS["scheduler"],
+    p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default=_DEFAULTS["scheduler"],
                    help="verify-length scheduler (default: %(default)s)")
     p.add_argument("--gamma", type=int, help="block size; default: the drafter's")
     p.add_argument("--threshold", type=float, default=_DEFAULTS["threshold"],

@@ -12,6 +12,8 @@ import argparse
 import os
 import sys
 
+from dspark_serve.assets.default_drafter import shipped_drafter_path
+from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 from dspark_serve.sglang_plugin import ALGORITHM_NAME
 
 # SGLang's per-request verify lengths (RaggedVerifyLayout) need a non-static ragged mode;
@@ -65,9 +67,6 @@ def build_sglang_argv(args: argparse.Namespace, model_path: str,
 def run(args: argparse.Namespace) -> int:
     """Resolve the model/drafter paths, then replace this process with SGLang's server."""
     from pathlib import Path
-
-    from dspark_serve.assets.default_drafter import shipped_drafter_path
-    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     model_path = args.model or default_model_path()
     name = Path(model_path).name if args.model else MODEL_NAME

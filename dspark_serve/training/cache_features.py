@@ -15,6 +15,10 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.assets.default_drafter import default_drafter_config
+from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
+from dspark_serve.drafter.checkpoint import read_config
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.training.feature_cache import (FeatureCache, shard_paths,
                                                  target_token_features, write_meta, write_shard)
 from dspark_serve.training.feature_sources import generated_sequences, sharegpt_sequences
@@ -92,11 +96,6 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoConfig, AutoTokenizer
-
-    from dspark_serve.drafter.checkpoint import read_config
-    from dspark_serve.model.target_model import TargetModel
-    from dspark_serve.assets.default_drafter import default_drafter_config
-    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     if args.threads:
         torch.set_num_threads(args.threads)

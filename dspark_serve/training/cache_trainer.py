@@ -28,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.assets.default_model import default_model_path
 from dspark_serve.drafter.checkpoint import load_drafter, read_config, save_drafter
 from dspark_serve.drafter.draft_vocab import pruned_lm_head
 from dspark_serve.drafter.model import DSparkDrafter
+from dspark_serve.model.target_model import TargetModel
 from dspark_serve.training.anchors import anchor_candidates
 from dspark_serve.training.cache_batch import draft_index_map, sequence_targets
 from dspark_serve.training.checkpointing import (latest_checkpoint, optimizer_and_schedule,
@@ -177,8 +179,6 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
         ValueError: bad config, an ``init_from`` without a pruned vocabulary, or an empty cache.
     """
     if target is None:
-        from dspark_serve.model.target_model import TargetModel
-        from dspark_serve.assets.default_model import default_model_path
 
         target = TargetModel.from_pretrained(cfg.model or default_model_path(), dtype="bfloat16")
     out = Path(cfg.out)

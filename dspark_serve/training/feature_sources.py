@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from dspark_serve.data.prompt_sets import load_records
 from dspark_serve.training.dataset import read_records, read_split
 
 Item = tuple[str, torch.Tensor, torch.Tensor]
@@ -38,7 +39,6 @@ def sharegpt_sequences(split_folder: str | Path, tokenizer, *, max_prompt_tokens
     deduplicated first turns, as ``gen_data.split_prompts`` numbers them). The answer tokens
     are supervised; prompts over ``max_prompt_tokens`` and empty answers are skipped.
     Raises FileNotFoundError without a split."""
-    from dspark_serve.data.prompt_sets import load_records
 
     split = read_split(split_folder)
     seen, unique = set(), []

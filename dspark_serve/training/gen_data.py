@@ -16,6 +16,10 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dspark_serve.data.prompt_sets import load_prompts
+from dspark_serve.engine.config import EngineConfig
+from dspark_serve.engine.llm_engine import LLMEngine
+from dspark_serve.engine.params import SamplingParams
 from dspark_serve.training.dataset import SPLIT_FILE, SEQUENCES_FILE, append_record, read_records
 
 # SmolLM2-Instruct model card: generate(..., temperature=0.2, top_p=0.9, do_sample=True)
@@ -113,11 +117,6 @@ def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: 
         the number of records written by this call.
     """
     from tqdm import tqdm
-
-    from dspark_serve.data.prompt_sets import load_prompts
-    from dspark_serve.engine.config import EngineConfig
-    from dspark_serve.engine.llm_engine import LLMEngine
-    from dspark_serve.engine.params import SamplingParams
 
     unique, manifest = prepare_split(cfg, load_prompts("sharegpt") if prompts is None else prompts)
     todo = prompts_to_answer(cfg, manifest, {int(r["index"]) for r in read_records(cfg.out)})

@@ -7,8 +7,12 @@ from pathlib import Path
 
 import torch
 
+from dspark_serve.assets.default_drafter import default_drafter_config
+from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 from dspark_serve.drafter.checkpoint import load_drafter
+from dspark_serve.drafter.checkpoint import read_config
 from dspark_serve.drafter.model import DSparkDrafter
+from dspark_serve.model.target_model import TargetModel
 
 
 def init_weights(drafter: DSparkDrafter, seed: int) -> None:
@@ -35,11 +39,6 @@ def build_models(cfg, resume_from: Path | None):
     the drafter folder ``cfg.init_from`` (warm start, e.g. a shipped drafter trained further),
     else the default shape with seeded initialisation."""
     from transformers import AutoConfig, AutoTokenizer
-
-    from dspark_serve.drafter.checkpoint import read_config
-    from dspark_serve.model.target_model import TargetModel
-    from dspark_serve.assets.default_drafter import default_drafter_config
-    from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 
     path = cfg.model or default_model_path()
     name = Path(path).name if cfg.model else MODEL_NAME

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from dspark_serve.drafter.config import DRAFTER_KINDS
 from dspark_serve.training.trainer import TrainConfig
 
 _HELP = {
@@ -42,7 +43,7 @@ def add_parser(subparsers) -> None:
         if f.name in ("data", "out"):
             p.add_argument(flag, required=True, help=_HELP[f.name])
         elif f.name == "kind":
-            p.add_argument(flag, choices=("dspark", "dflash"), default=f.default,
+            p.add_argument(flag, choices=DRAFTER_KINDS, default=f.default,
                            help=_HELP[f.name])
         elif f.name == "dtype":
             p.add_argument(flag, choices=("bfloat16", "float32"), default=f.default,

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from dspark_serve.drafter.checkpoint import load_drafter, save_drafter
+from dspark_serve.drafter.config import DRAFTER_KINDS
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.training.anchors import block_layout, sample_anchors
 from dspark_serve.training.checkpointing import (latest_checkpoint, optimizer_and_schedule,
@@ -67,8 +68,8 @@ class TrainConfig:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("dspark", "dflash"):
-            raise ValueError(f"kind must be 'dspark' or 'dflash', got {self.kind!r}")
+        if self.kind not in DRAFTER_KINDS:
+            raise ValueError(f"kind must be one of {', '.join(DRAFTER_KINDS)}; got {self.kind!r}")
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "save_every", "log_every",
                      "keep"):
             if getattr(self, name) < 1:
