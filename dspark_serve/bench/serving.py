@@ -40,7 +40,8 @@ from dspark_serve.types import DTYPES
 
 MODES = ("none", "ngram", "dspark", "hybrid", "dflash")
 DEFAULT_CONCURRENCY = (1, 4, 16)
-PHASES = {"_propose": "draft+schedule", "_verify": "verify"}
+# (engine part, method) -> trace label
+PHASES = {("runner", "propose"): "draft+schedule", ("sampler", "verify"): "verify"}
 
 
 @dataclass
@@ -103,7 +104,7 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, mode: str) -> C
 @contextlib.contextmanager
 def _annotated_phases(engine):
     """Label the engine's phases in profiler traces (instance attributes, removed on exit)."""
-    targets = [(engine, name, label) for name, label in PHASES.items()]
+    targets = [(getattr(engine, part), name, label) for (part, name), label in PHASES.items()]
     targets.append((engine.target, "forward", "target forward"))
     if engine.speculator is not None:
         targets.append((engine.speculator, "extend", "drafter context"))

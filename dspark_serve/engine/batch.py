@@ -1,9 +1,8 @@
 """Layout of one engine step: which requests run, and their tokens flattened into one batch.
 
 Flat order: every decoding request's verify block (anchor, then its l_r drafts), then every
-prefill chunk. Logits are computed for every verify position and for the last token of a
-chunk that completes its prompt, in that order, so verify row i (decoding requests, then the
-completed prompts with l = 0) owns the logit rows ``logit_start[i] .. logit_start[i] + l_i``.
+prefill chunk. The verify rows are the decoding requests, then the requests whose prompt
+completes this step (l = 0); ``verify.metadata.SpecMetadata`` places their logit rows.
 """
 from __future__ import annotations
 
@@ -41,10 +40,6 @@ class StepPlan:
     def verify_requests(self) -> list[Request]:
         return self.decode + self.prefill_done
 
-    def verify_lengths(self) -> torch.Tensor:
-        """[R_v] int64 l per verify row (0 for completed prompts)."""
-        return torch.cat([self.lengths, torch.zeros(len(self.prefill_done), dtype=torch.int64)])
-
     def flat_tokens(self) -> tuple[list[int], list[int], list[int], list[int]]:
         """(token ids, slots, positions, flat index of each request's first token), the last in
         ``decode`` then ``prefill`` order."""
@@ -63,16 +58,15 @@ class StepPlan:
             pos += range(r.num_computed, r.num_computed + n)
         return ids, slots, pos, starts
 
-    def logit_indices(self, starts: list[int]) -> list[int]:
-        """Flat indices whose logits the step needs (module docstring order)."""
-        idx = []
-        for i in range(len(self.decode)):
-            idx += range(starts[i], starts[i] + int(self.lengths[i]) + 1)
+    def verify_first_tokens(self, starts: list[int]) -> list[int]:
+        """Flat index of each verify row's first verified token: a decoding request's anchor,
+        the last prompt token of a completed prefill (``starts`` from ``flat_tokens``)."""
+        first = starts[:len(self.decode)]
         done = {id(r) for r in self.prefill_done}
         for k, (r, n) in enumerate(self.prefill):
             if id(r) in done:
-                idx.append(starts[len(self.decode) + k] + n - 1)
-        return idx
+                first.append(starts[len(self.decode) + k] + n - 1)
+        return first
 
     def verify_drafts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [R_v, gamma] int64 and probs [R_v, gamma, V] float32 of the verify rows

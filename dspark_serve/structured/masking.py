@@ -3,7 +3,7 @@
 A verify block for request r holds the anchor and drafts x_1..x_l. The target logits at block
 position j predict the token after x_j, so they are masked by the grammar state after the
 committed output *and* x_1..x_j, exactly as one-token-at-a-time decoding would mask them
-(the same rule as penalties, ``dspark_serve.engine.penalties``). The state is advanced through
+(the same rule as penalties, ``dspark_serve.verify.penalties``). The state is advanced through
 the drafts only to fill these masks and rolled back afterwards; the engine then accepts the
 committed tokens one by one. Recovered and bonus tokens are drawn from the masked target, so
 a forbidden token is never emitted, and verification stays lossless for the constrained

@@ -19,8 +19,8 @@ import pytest
 import torch
 from scipy import stats
 
-import dspark_serve.engine.llm_engine as llm_engine
 import dspark_serve.engine.speculator as speculator_module
+import dspark_serve.verify.target_sampler as target_sampler
 from dspark_serve.drafter.prompt_lookup import LookupDraft
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
@@ -164,8 +164,8 @@ def test_broken_verifier_is_detected(engines, generate, prompt_ids, conditionals
     engine = engines[1]
     use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
                                                                       engine.vocab_size), seed=6))
-    monkeypatch.setattr(llm_engine, "rejection_sample",
-                        _resample_from_target(llm_engine.rejection_sample))
+    monkeypatch.setattr(target_sampler, "rejection_sample",
+                        _resample_from_target(target_sampler.rejection_sample))
     samples, _ = draw(engine, generate, prompt_ids, NUM_SAMPLES)
     assert goodness_of_fit(samples, exact, bins) < P_MIN
 

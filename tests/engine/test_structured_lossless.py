@@ -19,7 +19,7 @@ import pytest
 import torch
 from scipy import stats
 
-import dspark_serve.engine.llm_engine as llm_engine
+import dspark_serve.engine.model_runner as model_runner
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.structured.masking import bitmask_to_bool, new_bitmask
 from dspark_serve.structured.spec import regex_spec
@@ -129,7 +129,7 @@ def test_broken_draft_projection_is_detected(engines, generate, prompt_ids, digi
                                              monkeypatch):
     engine = engines[1]
     use_oracle(engine, distribution_oracle(engine, draft_distribution(engine, digits), seed=8))
-    monkeypatch.setattr(llm_engine, "constrain_drafts",
-                        _keep_unmasked_probs(llm_engine.constrain_drafts))
+    monkeypatch.setattr(model_runner, "constrain_drafts",
+                        _keep_unmasked_probs(model_runner.constrain_drafts))
     samples, _ = draw(engine, generate, prompt_ids)
     assert goodness_of_fit(samples, exact, bins) < P_MIN

@@ -1,6 +1,6 @@
 import torch
 
-from dspark_serve.engine.penalties import PenaltyState, apply_penalties, block_history_counts
+from dspark_serve.verify.penalties import PenaltyState, apply_penalties, block_history_counts
 
 
 def _reference(logits, prompt, output, rep, freq, pres, bias):
