@@ -4,25 +4,28 @@ setting: scheduler off), recording every round's confidence logits and acceptanc
 This is a lean loop rather than ``LLMEngine``: it needs the raw confidence logits paired with
 the real rejection-sampling outcome of the same round (for STS labels, ECE/AUROC and the
 threshold sweep), a block that is never shortened by max_tokens, and nothing of serving
-(penalties, stop strings, detokenisation, admission). Per round, for each active request:
-draft gamma tokens from the anchor (``DSparkDrafter.draft``), run the target once over
-[anchor, x_1..x_gamma] (``TargetModel.forward``), warp both sides identically
-(``warp_probs``) and verify all gamma drafts (``rejection_sample``); the anchor and accepted
-drafts enter the drafter's context, the recovered or bonus token becomes the next anchor.
+(penalties, stop strings, detokenisation, admission). It reuses the engine's verification:
+per round, for each active request, draft gamma tokens from the anchor
+(``DSparkDrafter.draft``), run the target once over [anchor, x_1..x_gamma]
+(``TargetModel.forward`` at ``SpecMetadata.logit_indices``) and verify all gamma drafts
+(``TargetSampler.verify``: the same warping as the drafter, rejection sampling); the anchor and
+accepted drafts enter the drafter's context, the recovered or bonus token becomes the next
+anchor. The first token after the prompt is a verify row with l = 0, as in the engine.
 Requests stop at EOS or after ``max_new_tokens`` committed tokens (the last round may pass it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.model.target_model import TargetModel
-from dspark_serve.sampling.sampler import sample_from_probs
-from dspark_serve.sampling.warping import warp_probs
+from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.types import SamplingTensors
-from dspark_serve.verify.rejection import rejection_sample
+from dspark_serve.verify.metadata import SpecMetadata
+from dspark_serve.verify.target_sampler import SamplingBatch, TargetSampler
 
 
 @dataclass
@@ -66,6 +69,7 @@ def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[i
     if any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be non-empty")
     dev = target.device
+    sampler = TargetSampler(target.weights.vocab_size)
     eos = torch.tensor(sorted(eos_ids), dtype=torch.int64, device=dev)
     logs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     generated = 0
@@ -78,48 +82,51 @@ def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[i
         cache = drafter.new_cache(b, max_len)
         slots = torch.tensor([kv.allocate() for _ in chunk], device=dev)
         gens = [torch.Generator(device=dev).manual_seed(seed + first + i) for i in range(b)]
-        uniforms = lambda rows, n: torch.stack([torch.rand(n, generator=gens[r], device=dev)
-                                                for r in rows.tolist()])
         sampling = SamplingTensors.uniform(b, temperature, top_p=top_p, device=dev)
-        # prefill: every prompt token, logits of the last one
-        lens = torch.tensor([len(p) for p in chunk], device=dev)
-        flat_slots = slots.repeat_interleave(lens)
-        flat_pos = torch.cat([torch.arange(n, device=dev) for n in lens.tolist()])
+        rows_batch = lambda rows: SamplingBatch.plain(sampling.select(rows),
+                                                      [gens[i] for i in rows.tolist()])
+        # prefill: every prompt token; its last one is a verify row with l = 0
+        lens = [len(p) for p in chunk]
+        flat_slots = slots.repeat_interleave(torch.tensor(lens, device=dev))
+        flat_pos = torch.cat([torch.arange(n, device=dev) for n in lens])
+        meta = SpecMetadata.build([e - 1 for e in accumulate(lens)], [0] * b,
+                                  torch.zeros(b, 0, dtype=torch.int64, device=dev), None, 0, dev)
         out = target.forward(torch.tensor(sum(chunk, []), device=dev), flat_slots, flat_pos, kv,
-                             torch.cumsum(lens, 0) - 1)
+                             meta.logit_indices)
         drafter.extend_context(cache, flat_slots, flat_pos, out.taps)
         all_rows = torch.arange(b, device=dev)
-        anchor = sample_from_probs(warp_probs(out.logits, sampling), uniforms(all_rows, 1)[:, 0])
-        anchor_pos, count = lens.clone(), torch.ones(b, dtype=torch.int64, device=dev)
+        verdict = sampler.verify(out.logits, meta, rows_batch(all_rows))
+        anchor = torch.tensor([t[0] for t in verdict.tokens], device=dev)
+        anchor_pos = torch.tensor(lens, device=dev)
+        count = torch.ones(b, dtype=torch.int64, device=dev)
         active = ~torch.isin(anchor, eos) & (count < max_new_tokens)
         offsets = torch.arange(gamma + 1, device=dev)
         while bool(active.any()):
             rows = all_rows[active]
             r = rows.numel()
-            s_rows = sampling.select(rows)
-            u = uniforms(rows, drafter.gamma + gamma + 1)
-            block = drafter.draft(cache, slots[rows], anchor[rows], anchor_pos[rows], s_rows,
-                                  u[:, :drafter.gamma].contiguous())
+            batch = rows_batch(rows)
+            block = drafter.draft(cache, slots[rows], anchor[rows], anchor_pos[rows],
+                                  batch.sampling, draw_uniforms(batch.generators, drafter.gamma,
+                                                                dev))
             drafts, draft_probs = block.tokens[:, :gamma], block.probs[:, :gamma]
+            meta = SpecMetadata.build(list(range(0, r * (gamma + 1), gamma + 1)), [gamma] * r,
+                                      drafts, draft_probs, gamma, dev)
             ids = torch.cat([anchor[rows, None], drafts], 1)
             pos = anchor_pos[rows, None] + offsets
             out = target.forward(ids.flatten(), slots[rows].repeat_interleave(gamma + 1),
-                                 pos.flatten(), kv)
-            target_probs = warp_probs(out.logits, s_rows.repeat_interleave(gamma + 1))
-            res = rejection_sample(target_probs.view(r, gamma + 1, -1), drafts, draft_probs,
-                                   torch.full((r,), gamma, device=dev),
-                                   u[:, drafter.gamma:-1].contiguous(), u[:, -1].contiguous())
-            n = res.num_accepted
+                                 pos.flatten(), kv, meta.logit_indices)
+            verdict = sampler.verify(out.logits, meta, batch)
+            n = torch.tensor(verdict.num_accepted, device=dev)
             logs.append((block.conf_logits[:, :gamma].float().cpu(), n.cpu(), (rows + first).cpu()))
             committed = offsets[None, :] <= n[:, None]                   # anchor + accepted drafts
             flat = committed.flatten()
             drafter.extend_context(cache, slots[rows].repeat_interleave(gamma + 1)[flat],
                                    pos[committed], out.taps[flat])
-            new = res.tokens.masked_fill(~committed, -1)
-            anchor[rows] = res.tokens.gather(1, n[:, None]).squeeze(1)
+            anchor[rows] = torch.tensor([t[-1] for t in verdict.tokens], device=dev)
             anchor_pos[rows] += n + 1
             count[rows] += n + 1
-            done = torch.isin(new, eos).any(1) | (count[rows] >= max_new_tokens)
+            done = torch.tensor([any(t in eos_ids for t in tokens) for tokens in verdict.tokens],
+                                device=dev) | (count[rows] >= max_new_tokens)
             active[rows] = ~done
             bar.update(int(done.sum()))
         generated += int(count.sum())
