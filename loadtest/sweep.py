@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark_serve.assets.default_model import default_gguf_path
+from dspark_serve.assets import default_model
 from dspark_serve.loadtest.records import RequestRecord, read_records
 from dspark_serve.loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
 from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
@@ -155,7 +155,7 @@ def _server(opts: SweepOptions, config: str, log: Path) -> ManagedServer:
                              server_cmd=opts.server_cmd, startup_timeout_s=opts.startup_timeout_s)
 
     threads = str(max(1, (os.cpu_count() or 2) - 1))
-    return ManagedServer(["--model", default_gguf_path(), "--model_alias", "default",
+    return ManagedServer(["--model", default_model.default_gguf_path(), "--model_alias", "default",
                           "--n_threads", threads, "--n_threads_batch", threads,
                           "--n_ctx", "2048", *LLAMA_CONFIGS[config]], log,
                          server_cmd=LLAMA_SERVER_CMD, startup_timeout_s=opts.startup_timeout_s,
