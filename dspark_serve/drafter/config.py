@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Drafter kinds: DFlash (the parallel backbone alone) and DSpark (+ sequential and confidence heads).
+# Drafter kinds: DFlash (the parallel backbone alone), DSpark (+ sequential and confidence heads).
 DRAFTER_KINDS = ("dflash", "dspark")
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"
 # DeepSpec's released files say "qwen3" (the trunk is a Qwen3 stack); transformers' AutoConfig,
