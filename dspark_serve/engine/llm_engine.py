@@ -66,7 +66,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from transformers import AutoConfig, AutoTokenizer
 
-        from dspark_serve.models.default_drafter import LOOKUP_GAMMA, build_drafter, drafter_source
+        from dspark_serve.models.default_drafter import (LOOKUP_GAMMA, build_drafter,
+                                                         draft_vocab_ids, drafter_source)
         from dspark_serve.models.default_model import MODEL_NAME, default_model_path
 
         self.config = config
@@ -93,8 +94,11 @@ class LLMEngine:
         self.speculator: Speculator | None = None
         self.gamma = 0
         if config.speculative != "none":
-            drafter = (build_drafter(self.target, draft_path, draft_config, seed=config.seed)
-                       if draft_config is not None else None)
+            drafter = None
+            if draft_config is not None:
+                vocab = draft_vocab_ids(draft_path, draft_config, config.draft_vocab_size)
+                drafter = build_drafter(self.target, draft_path, draft_config, seed=config.seed,
+                                        draft_vocab=vocab)
             lookup = (LookupConfig(min_match=config.lookup_min_match,
                                    calibration=self._lookup_calibration())
                       if config.speculative in LOOKUP_MODES else None)
