@@ -16,6 +16,7 @@ import torch
 from dspark_serve.calibration.lookup import FILE_NAME as LOOKUP_FILE_NAME
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
 from dspark_serve.drafter.config import DRAFTER_KINDS, DSparkConfig
+from dspark_serve.drafter.draft_vocab import RANKING_FILE, load_ranking, top_tokens
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.model.linear import pack_linears
 
@@ -29,6 +30,9 @@ MARKOV_RANK = 64
 NUM_TAPS = 5
 # Prompt lookup alone drafts as many tokens per round as the default drafter's block.
 LOOKUP_GAMMA = BLOCK_SIZE
+# Draft vocabulary the engine prunes a shipped drafter to (96 % coverage of SmolLM2's outputs;
+# the LM-head product and the Markov sampling cost a third of the full vocabulary's).
+DRAFT_VOCAB_SIZE = 16384
 
 
 def shipped_lookup_calibration(model_name: str) -> Path | None:
@@ -97,7 +101,39 @@ def drafter_source(target_config, kind: str, model_name: str, mask_token_id: int
     return (str(path) if path is not None else None), config
 
 
-def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int = 0) -> DSparkDrafter:
+def draft_vocab_ids(path: str | None, config: DSparkConfig,
+                    size: int | None) -> torch.Tensor | None:
+    """The draft vocabulary the engine prunes the drafter at ``path`` to while loading: [N]
+    int64 ascending target ids, the first N of the folder's token ranking
+    (``draft_vocab.RANKING_FILE``), N = ``size`` or DRAFT_VOCAB_SIZE when None; None = keep
+    the drafter's vocabulary (size 0, no ranking with size None, an untrained or an already
+    pruned drafter with size None).
+
+    Raises:
+        ValueError: a size > 0 for a drafter without a ranking or already pruned, or a size
+            outside 0..V.
+    """
+    if size == 0:
+        return None
+    ranking = load_ranking(path) if path is not None else None
+    if size is None:
+        if ranking is None or config.draft_vocab_size is not None:
+            return None
+        size = min(DRAFT_VOCAB_SIZE, config.vocab_size)
+    if ranking is None or config.draft_vocab_size is not None:
+        raise ValueError(f"draft_vocab_size {size} needs a drafter with a full vocabulary and a "
+                         f"token ranking ({RANKING_FILE}, written by dspark-serve prune-vocab "
+                         f"--ranking-only); {path} has "
+                         + ("a pruned vocabulary" if config.draft_vocab_size is not None
+                            else "no ranking"))
+    if ranking.numel() != config.vocab_size:
+        raise ValueError(f"{path}: the token ranking has {ranking.numel()} ids, the drafter's "
+                         f"vocabulary {config.vocab_size}")
+    return top_tokens(ranking, size)
+
+
+def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int = 0,
+                  draft_vocab: torch.Tensor | None = None) -> DSparkDrafter:
     """Load the drafter at ``path`` onto the target's embedding and LM head, or build an
     untrained one of ``config`` (seeded, with a warning) when ``path`` is None, for inference:
     weights take the target's dtype and device, the LM head is the target's serving head and
@@ -105,13 +141,16 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
 
     Args:
         target: ``dspark_serve.model.target_model.TargetModel``.
+        draft_vocab: [N] int64 ascending ids to prune the draft vocabulary to while loading
+            (``draft_vocab_ids``), or None.
     """
     if path is not None:
         # a pruned draft vocabulary slices rows of the LM head's weight (the serving head is
         # packed and has none); its head is packed below like the drafter's own linears
-        head = target.lm_head if config.draft_vocab_size is not None else target.head_logits
+        pruned = config.draft_vocab_size is not None or draft_vocab is not None
+        head = target.lm_head if pruned else target.head_logits
         drafter = load_drafter(path, target.embed_tokens, head, dtype=target.dtype,
-                               device=target.device)
+                               device=target.device, draft_vocab=draft_vocab)
     else:
         logger.warning("no trained drafter for this target: using an untrained one (outputs "
                        "stay exact, acceptance will be near zero)")

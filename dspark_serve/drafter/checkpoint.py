@@ -77,18 +77,22 @@ def read_config(path: str | Path) -> DSparkConfig:
 
 def load_drafter(path: str | Path, embed_tokens: Callable[[torch.Tensor], torch.Tensor],
                  lm_head: Callable[[torch.Tensor], torch.Tensor], *,
-                 dtype: torch.dtype | None = None,
-                 device: torch.device | str = "cpu") -> DSparkDrafter:
+                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
+                 draft_vocab: torch.Tensor | None = None) -> DSparkDrafter:
     """Load a DeepSpec or DFlash drafter folder onto the target's embedding and LM head.
 
-    Tensors keep the file's dtype unless ``dtype`` is given. With a pruned draft vocabulary
-    the drafter's head is ``lm_head.weight``'s rows at the checkpoint's ids
-    (``draft_vocab.pruned_lm_head``). Raises ValueError for a bad config, missing, unexpected
-    or mis-shaped tensors, an invalid ``d2t`` / ``t2d``, or a pruned drafter whose
-    ``lm_head`` has no ``weight``.
+    Tensors keep the file's dtype unless ``dtype`` is given. ``draft_vocab`` ([N] int64
+    ascending target ids) prunes the draft vocabulary while loading, exactly as
+    ``prune_draft_vocab`` would on disk. With a pruned draft vocabulary the drafter's head is
+    ``lm_head.weight``'s rows at the checkpoint's ids (``draft_vocab.pruned_lm_head``).
+    Raises ValueError for a bad config, missing, unexpected or mis-shaped tensors, an invalid
+    ``d2t`` / ``t2d``, ``draft_vocab`` for an already pruned drafter or with invalid ids, or a
+    pruned drafter whose ``lm_head`` has no ``weight``.
     """
     config = read_config(path)
     tensors = _read_tensors(Path(path))
+    if draft_vocab is not None:
+        _prune(config, tensors, draft_vocab, path)
     if config.draft_vocab_size is not None:
         lm_head = _pruned_head(config, tensors, lm_head)
     for key in SHARED_KEYS:
@@ -195,17 +199,9 @@ def prune_draft_vocab(path: str | Path, out: str | Path, token_ids: torch.Tensor
         ValueError: a DFlash-aligned or already pruned drafter, or invalid ``token_ids``.
     """
     config = read_config(path)
-    if config.draft_vocab_size is not None:
-        raise ValueError(f"{path} already has a pruned draft vocabulary")
-    check_token_ids(token_ids, config.vocab_size)
-    config.draft_vocab_size = int(token_ids.numel())
-    data = config.to_deepspec_dict()
     tensors = _read_tensors(Path(path))
-    w2 = "markov_head.markov_w2.weight"
-    if w2 in tensors:
-        tensors[w2] = tensors[w2].index_select(0, token_ids).contiguous()
-    tensors["d2t"] = d2t_from_ids(token_ids)
-    tensors[T2D_KEY] = t2d_mask(token_ids, config.vocab_size)
+    _prune(config, tensors, token_ids, path)
+    data = config.to_deepspec_dict()
     dst = Path(out)
     dst.mkdir(parents=True, exist_ok=True)
     for extra in Path(path).iterdir():
@@ -216,3 +212,18 @@ def prune_draft_vocab(path: str | Path, out: str | Path, token_ids: torch.Tensor
     (dst / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
                                    encoding="utf-8")
     return config
+
+
+def _prune(config: DSparkConfig, tensors: dict[str, torch.Tensor], token_ids: torch.Tensor,
+           path: str | Path) -> None:
+    """Cut ``config`` and ``tensors`` (in place) to the draft vocabulary ``token_ids``:
+    ``markov_w2`` keeps those rows, ``d2t`` / ``t2d`` are added."""
+    if config.draft_vocab_size is not None:
+        raise ValueError(f"{path} already has a pruned draft vocabulary")
+    check_token_ids(token_ids, config.vocab_size)
+    config.draft_vocab_size = int(token_ids.numel())
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:
+        tensors[w2] = tensors[w2].index_select(0, token_ids).contiguous()
+    tensors["d2t"] = d2t_from_ids(token_ids)
+    tensors[T2D_KEY] = t2d_mask(token_ids, config.vocab_size)

@@ -10,10 +10,16 @@ residual max(0, p_t - p_d), which then keeps the target's mass outside in full.
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Iterable
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+# A drafter folder's token ranking (most frequent first), from which the engine prunes the
+# draft vocabulary at load (``dspark-serve prune-vocab --ranking-only`` writes it).
+RANKING_FILE = "token_ranking.safetensors"
 
 
 def check_token_ids(token_ids: torch.Tensor, vocab_size: int) -> None:
@@ -60,6 +66,26 @@ def scatter_to_vocab(probs: torch.Tensor, token_ids: torch.Tensor, vocab_size: i
     return out.index_copy_(-1, token_ids, probs)
 
 
+def token_ranking(token_streams: Iterable[Iterable[int]], vocab_size: int) -> torch.Tensor:
+    """All V token ids, most frequent over ``token_streams`` first (ties and tokens never
+    seen: lower id first): int64 [V]. Raises ValueError for an id outside [0, V)."""
+    counts: Counter[int] = Counter()
+    for stream in token_streams:
+        counts.update(stream)
+    if counts and not 0 <= min(counts) <= max(counts) < vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    return torch.tensor(sorted(range(vocab_size), key=lambda t: (-counts.get(t, 0), t)),
+                        dtype=torch.int64)
+
+
+def top_tokens(ranking: torch.Tensor, size: int) -> torch.Tensor:
+    """The first ``size`` ids of a ``token_ranking`` ([V] int64), ascending: int64 [size].
+    Raises ValueError for size outside 1..V."""
+    if not 1 <= size <= ranking.numel():
+        raise ValueError(f"draft vocabulary size must be in 1..{ranking.numel()}, got {size}")
+    return ranking[:size].sort().values
+
+
 def most_frequent_tokens(token_streams: Iterable[Iterable[int]], size: int,
                          vocab_size: int) -> torch.Tensor:
     """The ``size`` most frequent token ids over ``token_streams`` (ties: lower id first),
@@ -67,10 +93,24 @@ def most_frequent_tokens(token_streams: Iterable[Iterable[int]], size: int,
     always has ``size`` ids. Raises ValueError for size outside 1..V or an id outside [0, V)."""
     if not 1 <= size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
-    counts: Counter[int] = Counter()
-    for stream in token_streams:
-        counts.update(stream)
-    if counts and not 0 <= min(counts) <= max(counts) < vocab_size:
-        raise ValueError(f"token ids must be in [0, {vocab_size})")
-    ranked = sorted(range(vocab_size), key=lambda t: (-counts.get(t, 0), t))[:size]
-    return torch.tensor(sorted(ranked), dtype=torch.int64)
+    return top_tokens(token_ranking(token_streams, vocab_size), size)
+
+
+def save_ranking(folder: str | Path, ranking: torch.Tensor) -> Path:
+    """Write a ``token_ranking`` ([V] int64) into a drafter folder as ``RANKING_FILE``."""
+    path = Path(folder) / RANKING_FILE
+    save_file({"ranking": ranking.to(torch.int32).contiguous()}, str(path))
+    return path
+
+
+def load_ranking(folder: str | Path) -> torch.Tensor | None:
+    """The drafter folder's ``RANKING_FILE`` as [V] int64, or None when it has none.
+    Raises ValueError for a file that is not a permutation of 0..V-1."""
+    path = Path(folder) / RANKING_FILE
+    if not path.is_file():
+        return None
+    ranking = load_file(str(path))["ranking"].long()
+    if ranking.dim() != 1 or not torch.equal(ranking.sort().values,
+                                             torch.arange(ranking.numel())):
+        raise ValueError(f"{path} is not a ranking of token ids 0..V-1")
+    return ranking

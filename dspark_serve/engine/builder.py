@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from dspark_serve.assets.default_drafter import (LOOKUP_GAMMA, build_drafter, drafter_source,
-                                                 shipped_lookup_calibration)
+from dspark_serve.assets.default_drafter import (LOOKUP_GAMMA, build_drafter, draft_vocab_ids,
+                                                 drafter_source, shipped_lookup_calibration)
 from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 from dspark_serve.calibration.io import load_sts_calibration
 from dspark_serve.calibration.lookup import LookupCalibration
@@ -79,8 +79,11 @@ def build_engine(config: EngineConfig) -> EngineParts:
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     speculator, gamma = None, 0
     if config.speculative != "none":
-        drafter = (build_drafter(target, draft_path, draft_config, seed=config.seed)
-                   if draft_config is not None else None)
+        drafter = None
+        if draft_config is not None:
+            vocab = draft_vocab_ids(draft_path, draft_config, config.draft_vocab_size)
+            drafter = build_drafter(target, draft_path, draft_config, seed=config.seed,
+                                    draft_vocab=vocab)
         lookup = (LookupConfig(min_match=config.lookup_min_match,
                                calibration=_lookup_calibration(config, model_name))
                   if config.speculative in LOOKUP_MODES else None)

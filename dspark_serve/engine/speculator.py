@@ -29,7 +29,7 @@ from dspark_serve.calibration.lookup import LookupCalibration
 from dspark_serve.calibration.sts import calibrated_confidence
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, prompt_lookup
-from dspark_serve.scheduling import make_scheduler
+from dspark_serve.scheduling import AsyncScheduler, make_scheduler
 from dspark_serve.scheduling.cost_table import CostTable
 from dspark_serve.types import DraftBlock, SamplingTensors
 
@@ -104,12 +104,16 @@ class Speculator:
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def should_draft(self, num_requests: int) -> bool:
-        """Whether this step drafts for its R decoding requests: the scheduler's
+        """Whether this step proposes for its R decoding requests: the scheduler's
         ``worth_drafting`` where it has one (async: drafting must pay for its own time), else
-        always; always with ``always_draft``. False means a plain decode step (verify lengths
-        0)."""
+        always; always with ``always_draft`` and with prompt lookup (cheap; ``propose`` then
+        decides whether the drafter runs, knowing the lookup rows' survival). False means a
+        plain decode step (verify lengths 0)."""
+        return self.lookup is not None or self._drafter_pays(num_requests, None)
+
+    def _drafter_pays(self, num_requests: int, known: torch.Tensor | None) -> bool:
         decide = getattr(self.scheduler, "worth_drafting", None)
-        return self.always_draft or decide is None or bool(decide(num_requests))
+        return self.always_draft or decide is None or bool(decide(num_requests, known))
 
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's context, pending taps included (a new request takes it)."""
@@ -151,29 +155,38 @@ class Speculator:
             (block: tokens [R, gamma] int64, probs [R, gamma, V] float32, conf_logits
             [R, gamma] float32; lengths [R] int64 l_r in 0..caps[r]).
         """
-        self.flush()   # catching up on skipped steps is not this draft's cost
-        start = time.perf_counter()
         r, g, device = slots.numel(), self.gamma, slots.device
         by_drafter = torch.ones(r, dtype=torch.bool, device=device)
         if self.lookup is not None:
             lookup_tokens, found, match_len = self._lookup(texts, device)
             by_drafter = match_len < (self.lookup.min_match if self.drafter is not None else 1)
             taken = ~by_drafter
-            # lookup rows verify at most the tokens found; rows nobody drafts verify none
-            caps = torch.where(taken, torch.minimum(caps, found),
-                               caps if self.drafter is not None else 0)
+            # lookup rows verify at most the tokens found
+            caps = torch.where(taken, torch.minimum(caps, found), caps)
+            known_confidence = self._lookup_confidence(match_len) * taken[:, None]
+            if self.drafter is None or not self._drafter_pays(
+                    int(by_drafter.sum()), known_confidence[taken] * self._allowed(caps[taken])):
+                caps = caps * taken    # rows nobody drafts verify none
+                by_drafter = torch.zeros_like(by_drafter)
         rows = by_drafter.nonzero().flatten()
         block = None
-        if self.drafter is not None and (rows.numel() or self.lookup is None):
+        if rows.numel() or (self.drafter is not None and self.lookup is None):
+            self.flush()   # catching up on skipped steps is not this draft's cost
+            start = time.perf_counter()
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
                                        anchor_positions[rows], sampling.select(rows),
                                        uniforms[rows])
             block = DraftBlock(block.tokens[:, :g], block.probs[:, :g], block.conf_logits[:, :g])
+            observe = getattr(self.scheduler, "observe_draft", None)
+            if observe is not None:
+                if block.tokens.is_cuda:
+                    torch.cuda.synchronize(device)
+                observe(rows.numel(), time.perf_counter() - start)
         if block is None or rows.numel() < r:
             # lookup rows one-hot, drafter rows copied in: [R, gamma, V] only when mixing
-            tokens = lookup_tokens.masked_fill(by_drafter[:, None], 0)
+            tokens = lookup_tokens.masked_fill(~taken[:, None], 0)
             probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
-            probs[by_drafter] = 0.0
+            probs[~taken] = 0.0
             conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
             if block is not None:
                 tokens[rows], probs[rows] = block.tokens, block.probs
@@ -181,21 +194,22 @@ class Speculator:
             block = DraftBlock(tokens, probs, conf_logits)
         confidence = torch.ones(r, g, dtype=torch.float32, device=device)
         if self.lookup is not None:
-            confidence = self._lookup_confidence(match_len) * taken[:, None]
+            confidence = known_confidence
         if self.has_confidence and rows.numel():
             temps = (self.temperatures if self.temperatures is not None
                      else torch.ones(g, device=device))
             confidence[rows] = calibrated_confidence(block.conf_logits[rows], temps)
         elif self.drafter is not None and rows.numel():
             confidence[rows] = 1.0      # DFlash: no confidence head
-        observe = getattr(self.scheduler, "observe_draft", None)
-        if observe is not None:
-            if block.tokens.is_cuda:
-                torch.cuda.synchronize(device)
-            observe(r, time.perf_counter() - start)
-        allowed = torch.arange(g, device=caps.device)[None, :] < caps[:, None]
-        lengths = self.scheduler(confidence * allowed)
+        confidence = confidence * self._allowed(caps)
+        # the async scheduler sizes K from lagged drafter survival; lookup rows' is current
+        lengths = (self.scheduler(confidence, ~by_drafter)
+                   if isinstance(self.scheduler, AsyncScheduler) else self.scheduler(confidence))
         return block, torch.minimum(lengths, caps)
+
+    def _allowed(self, caps: torch.Tensor) -> torch.Tensor:
+        """[R, gamma] bool: slot k of row r may be verified (k < caps[r])."""
+        return torch.arange(self.gamma, device=caps.device)[None, :] < caps[:, None]
 
     def _lookup(self, texts: list[list[int]],
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,6 +25,14 @@ Choices the paper leaves open:
   (R + k) * SPS(R + k) under the cost table.
 - A step with R = 0 returns no lengths and records no history.
 
+Beyond the paper: rows whose survival is known before drafting. A prompt-lookup row (hybrid
+and ngram proposers) copies its drafts from the request's committed text and gets its
+survival from its match length, so both are fixed before step t drafts anything; ``known``
+marks such rows. K is then searched over one pool: the known rows' survival of step t itself
+and the lagged drafter survival stretched to the other rows. Still lossless: nothing in it
+depends on a token drafted at step t. Only drafter rows enter the history. (With lags,
+lookup rows, whose matches come and go from step to step, were rarely verified.)
+
 Beyond the paper: the drafter's own time. SPS(B) prices the target forward only, but a step
 that drafts also pays the drafter (measured: ~30 ms next to a ~50 ms one-token target forward
 for SmolLM2-135M on a 2-core CPU). The engine reports each draft's wall time
@@ -105,16 +113,23 @@ class AsyncScheduler:
         nearest = min(self._draft_seconds, key=lambda r: (abs(r - num_requests), r))
         return self._draft_seconds[nearest]
 
-    def worth_drafting(self, num_requests: int) -> bool:
-        """Whether step t should draft at all (module docstring): some K >= 1 beats a plain
-        decode step under the drafting time, or a probe is due. Counts skipped steps and
-        lengthens the probe interval."""
+    def worth_drafting(self, num_requests: int, known: torch.Tensor | None = None) -> bool:
+        """Whether step t should run the drafter (module docstring): some K >= 1 with the
+        drafter's rows beats the best step without them (a plain decode step, or verifying
+        only the known rows) under the drafting time, or a probe is due. Counts skipped steps
+        and lengthens the probe interval.
+
+        Args:
+            num_requests: R_d, the requests the drafter would draft for.
+            known: [R_k, gamma] float conditional survival of the step's other rows, known
+                before drafting (prompt lookup), or None (no other rows).
+        """
         if num_requests <= 0 or len(self._history) < LAG_STEPS:
             return True
-        theta = self._theta(num_requests, self.draft_seconds(num_requests))
-        plain = num_requests * float(self.cost_table.sps(
-            torch.tensor([num_requests], dtype=torch.int64))[0])
-        if theta.numel() > 1 and float(theta[1:].max()) > plain:
+        known_values = _known_values(known)
+        theta = self._theta(num_requests, known_values, self.draft_seconds(num_requests))
+        best_without = float(self._theta(num_requests, known_values, 0.0, drafting=False).max())
+        if theta.numel() > 1 and float(theta[1:].max()) > best_without:
             self._skipped = 0
             self._probe_interval = PROBE_INTERVAL
             return True
@@ -133,42 +148,77 @@ class AsyncScheduler:
             raise ValueError(f"num_requests must be an int >= 0, got {num_requests!r}")
         if num_requests == 0:
             return 0
-        return self._capacity(num_requests)
+        return self._capacity(num_requests, _known_values(None))
 
-    def __call__(self, confidence: torch.Tensor) -> torch.Tensor:
-        """Admit the top-K slots of this step and record its survival for step t+2.
+    def __call__(self, confidence: torch.Tensor, known: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """Admit the top-K slots of this step and record its drafter survival for step t+2.
 
         Args:
             confidence: [R, gamma] float calibrated conditional survival c_{r,k} in [0, 1].
+            known: optional [R] bool, rows whose survival was fixed before drafting (prompt
+                lookup; module docstring): K uses their survival of this step, and they stay
+                out of the history. None: every row was drafted.
         Returns:
             [R] int64 lengths in 0..gamma on the confidence's device, sum(l_r) <= K.
         Raises:
-            TypeError/ValueError: bad confidence, or R exceeds the batch-token limit.
+            TypeError/ValueError: bad confidence or ``known``, or R exceeds the batch-token
+            limit.
         """
         admission.check_confidence(confidence, self.gamma)
         num_req = confidence.shape[0]
         if num_req == 0:
             return torch.zeros(0, dtype=torch.int64, device=confidence.device)
-        k = self._capacity(num_req)
+        if known is None:
+            known = torch.zeros(num_req, dtype=torch.bool, device=confidence.device)
+        elif known.dtype != torch.bool or known.shape != (num_req,):
+            raise ValueError(f"known must be a bool tensor of shape ({num_req},), got "
+                             f"{known.dtype} {tuple(known.shape)}")
+        num_drafted = num_req - int(known.sum())
+        k = self._capacity(num_drafted, _known_values(confidence[known]))
         ranking = admission.rank_slots(admission.survival(confidence))
         lengths = admission.admit_first(ranking.rows, min(k, ranking.positive), num_req)
-        self._history.append((num_req, ranking.cum, ranking.positive))
+        if num_drafted:
+            drafted = (ranking if num_drafted == num_req else
+                       admission.rank_slots(admission.survival(confidence[~known])))
+            self._history.append((num_drafted, drafted.cum, drafted.positive))
         return lengths
 
-    def _capacity(self, num_req: int) -> int:
-        theta = self._theta(num_req, self.draft_seconds(num_req))
+    def _capacity(self, num_drafted: int, known_values: torch.Tensor) -> int:
+        theta = self._theta(num_drafted, known_values, self.draft_seconds(num_drafted))
         return int(theta.argmax())      # first maximum: the smallest K among equal throughputs
 
-    def _theta(self, num_req: int, overhead_s: float) -> torch.Tensor:
-        """Theta_K for K = 0..max_K from the lagged survival (see module docstring)."""
+    def _theta(self, num_drafted: int, known_values: torch.Tensor, overhead_s: float,
+               drafting: bool = True) -> torch.Tensor:
+        """Theta_K for K = 0..max_K over R = num_drafted + known rows: the lagged drafter
+        survival stretched to ``num_drafted`` rows (none without ``drafting``: those rows
+        then decode one token each), merged with ``known_values`` ([n] float64 survival of
+        the known rows, any order; module docstring)."""
+        num_req = num_drafted + known_values.numel() // self.gamma
         limit = admission.batch_limit(num_req, self.max_batch_tokens, self.cost_table)
-        num_slots = num_req * self.gamma
-        if len(self._history) < LAG_STEPS:
+        num_slots = num_drafted * self.gamma
+        if not drafting or num_drafted == 0:
+            cum, admissible = torch.zeros(1, dtype=torch.float64), 0
+        elif len(self._history) < LAG_STEPS:
             cum, admissible = torch.arange(num_slots + 1, dtype=torch.float64), num_slots
         else:
-            cum, admissible = _stretch(*self._history[0], num_req, num_slots)
+            cum, admissible = _stretch(*self._history[0], num_drafted, num_slots)
+        positive = known_values[known_values > 0]
+        if positive.numel():   # one ranking: the stretched marginals and the known values
+            merged = torch.cat([cum[1:admissible + 1].diff(prepend=cum[:1]), positive])
+            merged = merged.sort(descending=True).values
+            cum = torch.cat([merged.new_zeros(1), merged.cumsum(0)])
+            admissible += positive.numel()
         max_k = admission.max_admissions(num_req, admissible, limit)
         return admission.throughput_curve(cum, num_req, max_k, self.cost_table, overhead_s)
+
+
+def _known_values(known: torch.Tensor | None) -> torch.Tensor:
+    """Survival a_{r,j} of known rows ([R_k, gamma] conditional survival, or None), flat
+    [R_k * gamma] float64 on the CPU (zeros kept so the row count stays readable)."""
+    if known is None:
+        return torch.zeros(0, dtype=torch.float64)
+    return admission.survival(known).flatten().double().cpu()
 
 
 def _stretch(old_req: int, old_cum: torch.Tensor, old_admissible: int, num_req: int,

@@ -42,6 +42,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lookup-min-match", type=int, default=_DEFAULTS["lookup_min_match"],
                    help="hybrid: shortest suffix match prompt lookup drafts with "
                         "(default: %(default)s)")
+    p.add_argument("--draft-vocab-size", type=int,
+                   help="prune the drafter's draft vocabulary to the N most frequent tokens of "
+                        "its token ranking at load; 0 keeps its own (default: 16384 where the "
+                        "drafter ships a ranking, as the default DSpark drafter does)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
                    help="context limit per request in tokens (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
@@ -86,7 +90,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold, lookup_calibration=args.lookup_calibration,
-        lookup_min_match=args.lookup_min_match, mask_drafts=args.mask_drafts)
+        lookup_min_match=args.lookup_min_match, draft_vocab_size=args.draft_vocab_size,
+        mask_drafts=args.mask_drafts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,9 @@ def add_parser(subparsers) -> None:
                                                  "corpus; default: SmolLM2-135M-Instruct)")
     p.add_argument("--corpus-limit", type=int, default=None,
                    help="ShareGPT answers read (default: all)")
+    p.add_argument("--ranking-only", action="store_true",
+                   help="write only the token ranking into --out (the engine prunes the draft "
+                        "vocabulary at load: serve --draft-vocab-size)")
     p.set_defaults(func=run)
 
 
@@ -28,16 +31,21 @@ def run(args: argparse.Namespace) -> int:
 
     from dspark_serve.data.prompt_sets import load_records
     from dspark_serve.drafter.checkpoint import prune_draft_vocab, read_config
-    from dspark_serve.drafter.draft_vocab import most_frequent_tokens
+    from dspark_serve.drafter.draft_vocab import save_ranking, token_ranking, top_tokens
     from dspark_serve.assets.default_model import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(args.model or default_model_path())
     answers = [r.reference for r in load_records("sharegpt", args.corpus_limit) if r.reference]
     streams = tokenizer(answers, add_special_tokens=False)["input_ids"]
     vocab = read_config(args.draft).vocab_size
-    ids = most_frequent_tokens(streams, args.size, vocab)
-    prune_draft_vocab(args.draft, args.out, ids)
+    ranking = token_ranking(streams, vocab)
     tokens = sum(len(s) for s in streams)
+    if args.ranking_only:
+        path = save_ranking(args.out, ranking)
+        print(f"dspark-serve prune-vocab: ranking of {vocab} tokens from {len(answers)} answers "
+              f"({tokens} tokens) -> {path}")
+        return 0
+    prune_draft_vocab(args.draft, args.out, top_tokens(ranking, args.size))
     print(f"dspark-serve prune-vocab: {args.size} of {vocab} tokens from {len(answers)} answers "
           f"({tokens} tokens) -> {args.out}")
     return 0

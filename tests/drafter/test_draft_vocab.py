@@ -6,9 +6,12 @@ import json
 import pytest
 import torch
 
+from dspark_serve.assets.default_drafter import draft_vocab_ids
 from dspark_serve.drafter.checkpoint import load_drafter, prune_draft_vocab, save_drafter
-from dspark_serve.drafter.draft_vocab import (d2t_from_ids, ids_from_d2t, most_frequent_tokens,
-                                              scatter_to_vocab, t2d_mask)
+from dspark_serve.drafter.draft_vocab import (RANKING_FILE, d2t_from_ids, ids_from_d2t,
+                                              load_ranking, most_frequent_tokens, save_ranking,
+                                              scatter_to_vocab, t2d_mask, token_ranking,
+                                              top_tokens)
 from dspark_serve.types import SamplingTensors
 
 KEEP = torch.tensor([0, 3, 4, 9, 17, 25, 26, 40, 59, 60])
@@ -102,3 +105,59 @@ def test_pruned_round_trip_and_bad_files(tmp_path, tiny_config, tiny_drafter):
         prune_draft_vocab(tmp_path / "full", tmp_path / "bad", KEEP.flip(0))
     with pytest.raises(ValueError, match="with a weight"):
         load_drafter(tmp_path / "pruned", full.shared_modules[0], lambda h: h)
+
+
+def test_token_ranking_file_round_trip(tmp_path):
+    ranking = token_ranking([[5, 5, 5, 1, 2], [2, 2, 7], [9]], 10)
+    assert ranking.tolist() == [2, 5, 1, 7, 9, 0, 3, 4, 6, 8]
+    assert top_tokens(ranking, 3).tolist() == [1, 2, 5]
+    assert load_ranking(tmp_path) is None
+    save_ranking(tmp_path, ranking)
+    assert torch.equal(load_ranking(tmp_path), ranking)
+    save_ranking(tmp_path, torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match="not a ranking"):
+        load_ranking(tmp_path)
+    with pytest.raises(ValueError, match="size"):
+        top_tokens(ranking, 0)
+
+
+def test_pruning_at_load_equals_the_pruned_checkpoint(tmp_path, tiny_config, tiny_drafter):
+    """``load_drafter(draft_vocab=...)`` prunes in memory exactly as ``prune_draft_vocab`` does
+    on disk: same tensors, same drafts."""
+    full = tiny_drafter(tiny_config(), seed=4)
+    save_drafter(full, tmp_path / "full")
+    prune_draft_vocab(tmp_path / "full", tmp_path / "pruned", KEEP)
+    on_disk = load_drafter(tmp_path / "pruned", *full.shared_modules)
+    at_load = load_drafter(tmp_path / "full", *full.shared_modules, draft_vocab=KEEP)
+    assert at_load.config == on_disk.config
+    for key, tensor in on_disk.state_dict().items():
+        assert torch.equal(at_load.state_dict()[key], tensor), key
+    assert torch.equal(_draft(at_load, seed=6).probs, _draft(on_disk, seed=6).probs)
+    with pytest.raises(ValueError, match="already has a pruned"):
+        load_drafter(tmp_path / "pruned", *full.shared_modules, draft_vocab=KEEP)
+
+
+def test_engine_draft_vocabulary_from_the_shipped_ranking(tmp_path, tiny_config, tiny_drafter):
+    """None: the default size where a ranking ships (capped at V), else the drafter's own
+    vocabulary; 0: its own; a size needs a ranking and an unpruned drafter."""
+    full = tiny_drafter(tiny_config(), seed=1)
+    save_drafter(full, tmp_path / "full")
+    config = full.config
+    assert draft_vocab_ids(str(tmp_path / "full"), config, None) is None
+    with pytest.raises(ValueError, match="no ranking"):
+        draft_vocab_ids(str(tmp_path / "full"), config, 10)
+    ranking = torch.arange(61).flip(0)
+    save_ranking(tmp_path / "full", ranking)
+    assert draft_vocab_ids(str(tmp_path / "full"), config, None).tolist() == list(range(61))
+    assert draft_vocab_ids(str(tmp_path / "full"), config, 3).tolist() == [58, 59, 60]
+    assert draft_vocab_ids(str(tmp_path / "full"), config, 0) is None
+    assert draft_vocab_ids(None, config, None) is None          # untrained drafter
+    prune_draft_vocab(tmp_path / "full", tmp_path / "pruned", KEEP)
+    assert (tmp_path / "pruned" / RANKING_FILE).is_file()     # copied along
+    pruned_config = load_drafter(tmp_path / "pruned", *full.shared_modules).config
+    assert draft_vocab_ids(str(tmp_path / "pruned"), pruned_config, None) is None
+    with pytest.raises(ValueError, match="a pruned vocabulary"):
+        draft_vocab_ids(str(tmp_path / "pruned"), pruned_config, 3)
+    save_ranking(tmp_path / "full", torch.arange(5))
+    with pytest.raises(ValueError, match="5 ids"):
+        draft_vocab_ids(str(tmp_path / "full"), config, 3)

@@ -20,6 +20,8 @@ def test_defaults():
     (dict(threshold=1.5), "threshold must be in [0, 1]"),
     (dict(quantization="int8"), "quantization must be one of none, int4"),
     (dict(quantization="int4", dtype="float32"), "quantization 'int4' needs dtype bfloat16"),
+    (dict(draft_vocab_size=-1), "draft_vocab_size must be an integer >= 0"),
+    (dict(draft_vocab_size=True), "draft_vocab_size must be an integer >= 0"),
 ])
 def test_invalid(kwargs, text):
     with pytest.raises(ValueError, match=text.replace("[", r"\[").replace("]", r"\]")):

@@ -69,7 +69,8 @@ def test_greedy_oracle_drafter_equals_plain(mode, engine_for, generate, mtbench_
 
 
 @pytest.mark.parametrize("mode", [("ngram", "static"), ("ngram", "algorithm1"),
-                                  ("hybrid", "algorithm1")], ids=lambda m: "-".join(m))
+                                  ("ngram", "async"), ("hybrid", "algorithm1"),
+                                  ("hybrid", "async")], ids=lambda m: "-".join(m))
 def test_greedy_prompt_lookup_modes_equal_plain(mode, engine_for, generate, mtbench_prompts,
                                                  greedy_reference):
     """Prompt lookup alone and hybrid (lookup where a >= 3-token match exists, the shipped

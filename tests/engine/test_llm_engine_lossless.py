@@ -188,15 +188,20 @@ def greedy_lookup(conditionals, prompt_len: int, every: int):
     return lookup
 
 
-@pytest.mark.parametrize("mode, every", [("ngram", 1), ("hybrid", 2)])
-def test_prompt_lookup_and_hybrid_sampling_match_plain(mode, every, make_engine, engines,
+@pytest.mark.parametrize("mode, every, scheduler", [("ngram", 1, "static"),
+                                                    ("hybrid", 2, "static"),
+                                                    ("hybrid", 2, "async")])
+def test_prompt_lookup_and_hybrid_sampling_match_plain(mode, every, scheduler, make_engine,
+                                                       engines,
                                                        generate, prompt_ids, conditionals,
                                                        exact, bins, plain_samples,
                                                        distribution_oracle, use_oracle,
                                                        monkeypatch):
     """One-hot lookup drafts (ngram), and lookup rows next to drafter rows in one scheduled
-    batch (hybrid: lookup after outputs of even length, the oracle drafter otherwise)."""
-    engine = make_engine(speculative=mode, scheduler="static", gamma=2, **SIZES)
+    batch (hybrid: lookup after outputs of even length, the oracle drafter otherwise); async:
+    K from the lookup rows' survival of the step and the drafter rows' of two steps back."""
+    engine = make_engine(speculative=mode, scheduler=scheduler, gamma=2, always_draft=True,
+                         **SIZES)
     monkeypatch.setattr(speculator_module, "prompt_lookup",
                         greedy_lookup(conditionals, len(prompt_ids), every))
     if mode == "hybrid":

@@ -56,3 +56,32 @@ def test_early_stop_and_lagged_capacity_are_lossless(name):
     scheduler = make_scheduler(name, gamma=2, cost_table=TABLE)
     dist = first_token_distribution(scheduler, seed=1)
     assert dist.tolist() == pytest.approx([0.7, 0.3], abs=TOLERANCE)
+
+
+@pytest.mark.lossless
+def test_async_with_known_lookup_rows_is_lossless():
+    """R = 2: row 0 a prompt-lookup row (one-hot draft A A, survival fixed before drafting,
+    varying over trials), row 1 the anticipating drafter row above. K sees row 0's survival
+    of the step itself and row 1's of two steps back: both rows keep the target distribution,
+    and row 0 is verified in the very steps its survival is high."""
+    # with no lookup match, Theta over row 1 alone has Appendix A's shape (dip at B = 3)
+    table = CostTable((1, 2, 3, 4, 5, 6), (1.0, 1.0, 0.6, 0.65, 0.6, 0.55), 6)
+    scheduler = make_scheduler("async", gamma=2, cost_table=table)
+    gen = torch.Generator().manual_seed(3)
+    drafts = (torch.rand(TRIALS, 2, generator=gen) >= P_DRAFT[TOKEN_A]).long()
+    c2 = torch.where(drafts[:, 0] == TOKEN_A, 0.9, 0.0)
+    high = torch.arange(TRIALS) % 3 == 0
+    lookup_c = torch.where(high, 0.9, 0.0)
+    known = torch.tensor([True, False])
+    lengths = torch.stack([scheduler(torch.tensor([[lookup_c[i], lookup_c[i]], [0.8, c2[i]]]),
+                                     known) for i in range(TRIALS)])
+    assert (lengths[2:, 0][high[2:]] == 2).all()
+    lookup_drafts = torch.full((TRIALS, 2), TOKEN_A)
+    one_hot = torch.nn.functional.one_hot(lookup_drafts, 2).float()
+    for drafted, probs, row in ((lookup_drafts, one_hot, 0),
+                                (drafts, P_DRAFT.expand(TRIALS, 2, 2).contiguous(), 1)):
+        result = rejection_sample(P_TARGET.expand(TRIALS, 3, 2).contiguous(), drafted, probs,
+                                  lengths[:, row], torch.rand(TRIALS, 2, generator=gen),
+                                  torch.rand(TRIALS, generator=gen))
+        p_a = float((result.tokens[:, 0] == TOKEN_A).double().mean())
+        assert p_a == pytest.approx(0.7, abs=TOLERANCE), row

@@ -172,3 +172,44 @@ def test_drafting_time_moving_average_and_nearest_r():
     assert sched.draft_seconds(10) == pytest.approx(0.125)  # a tie goes to the smaller R
     sched.reset()
     assert sched.draft_seconds(4) == 0.0
+
+
+def test_known_rows_size_k_from_this_step():
+    """A lookup row's survival is fixed before drafting: K counts it at once, while the
+    drafter rows still come from two steps back; only drafter rows enter the history."""
+    table = CostTable((1, 2, 3, 4, 5), (1.0, 0.5, 0.5, 0.45, 0.45), 5)
+    sched = make_scheduler("async", gamma=2, cost_table=table)
+    drafter_low = torch.tensor([[0.8, 0.0]])
+    for _ in range(2):
+        sched(drafter_low)                               # drafter history: a = 0.8, 0
+    assert sched.capacity(1) == 0                        # Theta = 1.0, 0.9
+    lookup, drafter = torch.tensor([[0.95, 0.95]]), torch.tensor([[0.9, 0.9]])
+    known = torch.tensor([True, False])
+    # R = 2; pool: lookup 0.95, 0.9025 (now) + drafter 0.8 (lagged):
+    # Theta_0..3 = 2 * 0.5, 2.95 * 0.5, 3.8525 * 0.45, 4.6525 * 0.45 -> K = 3
+    lengths = sched(torch.cat([lookup, drafter]), known)
+    assert lengths.tolist() == [2, 1]                    # top 3 by this step's survival
+    # all rows known (the second found nothing): no history entry
+    no_match = torch.zeros(1, 2)
+    assert sched(torch.cat([lookup, no_match]), torch.tensor([True, True])).tolist() == [2, 0]
+    assert sched.capacity(1) == 0                        # still the second drafter_low step
+    sched(drafter_low)
+    # now two back is the mixed step's drafter row (0.9, 0.81), not its lookup row
+    assert sched.capacity(1) == 2                        # Theta = 1.0, 0.95, 1.355
+    with pytest.raises(ValueError, match="known must be a bool tensor"):
+        sched(drafter, torch.tensor([1]))
+
+
+def test_worth_drafting_weighs_the_drafter_against_lookup_rows_alone():
+    """The drafter runs when its rows add throughput beyond the known rows verified alone."""
+    table = CostTable((1, 2, 3, 4, 5), (1.0, 1.0, 1.0, 1.0, 1.0), 5)
+    sched = make_scheduler("async", gamma=2, cost_table=table)
+    for _ in range(2):
+        sched(torch.tensor([[0.5, 0.5]]))                # drafter: a = 0.5, 0.25
+    lookup = torch.tensor([[0.9, 0.9]])
+    sched.observe_draft(1, 0.0)
+    assert sched.worth_drafting(1, lookup)               # a free drafter adds 0.75 tokens
+    sched.observe_draft(1, 10.0)
+    sched.observe_draft(1, 10.0)
+    # ~4.4 s of drafting (moving average) for 0.75 expected tokens: the lookup row alone wins
+    assert not sched.worth_drafting(1, lookup)

@@ -38,14 +38,14 @@ def test_all_flags(launched):
             "threshold", "--gamma", "5", "--threshold", "0.7", "--cost-table", "c.json",
             "--calibration", "s.json", "--max-model-len", "4096", "--max-num-seqs", "4",
             "--dtype", "bfloat16", "--quantization", "int4", "--always-draft", "--seed", "3",
-            "--no-mask-drafts", "--host", "0.0.0.0", "--port", "9001",
+            "--no-mask-drafts", "--draft-vocab-size", "8192", "--host", "0.0.0.0", "--port", "9001",
             "--log-level", "debug"]
     assert cli.main(argv) == 0
     assert launched["config"] == EngineConfig(
         model="/m", draft="/d", speculative="dflash", scheduler="threshold", gamma=5,
         threshold=0.7, cost_table="c.json", calibration="s.json", max_model_len=4096,
         max_num_seqs=4, dtype="bfloat16", quantization="int4", always_draft=True, seed=3,
-        mask_drafts=False)
+        mask_drafts=False, draft_vocab_size=8192)
     assert (launched["host"], launched["port"], launched["log_level"]) == ("0.0.0.0", 9001, "debug")
 
 
