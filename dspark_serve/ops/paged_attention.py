@@ -8,8 +8,8 @@ t attends causally to keys 0..position of its slot, so nothing is padded to a co
 The cache is paged: ``k_cache[page, i]`` holds the key of position ``j * page_size + i`` of
 every slot whose ``page_table[slot, j] == page``; it must already hold the step's own keys.
 Query head h reads KV head h // G, G = Hq / Hkv (grouped-query attention, transformers'
-``repeat_kv`` convention). The engine's ``KVCache`` is the special case of one page of
-``padded_len`` positions per slot (``KVCache.paged``).
+``repeat_kv`` convention). The engine's ``KVCache`` is such a cache: a pool of KV_BLOCK-sized
+pages, or one page per slot for the offline tools (``KVCache.paged``).
 
 The reference lays one step out on a grid (``plan_varlen``, once for all layers): the step's
 distinct slots become rows of a [R, Hkv, G * max_q, D] query grid against [R, Hkv, L, D] keys
@@ -270,9 +270,9 @@ def _attend(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
     """[R, Hkv, kv_len, D] keys (or values) of the plan's grid rows. Read in the
-    [pages, Hkv, page_size, D] orientation: for KVCache's one-page-per-slot layout that is its
-    storage order, so a consecutive run of pages is a view and a gather copies exactly what
-    the engine has always read (the batch invariance depends on these strides)."""
+    [pages, Hkv, page_size, D] orientation, ``KVCache``'s storage order: a consecutive run of
+    single pages is a view, and a gather copies exactly those keys into a contiguous
+    [R, Hkv, kv_len, D] (the batch invariance depends on these strides)."""
     heads_first = cache.transpose(1, 2)
     length = plan.kv_len
     r, n_pages = plan.row_pages.shape
@@ -282,8 +282,10 @@ def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
             return heads_first[p:p + r, :, :length]
         return heads_first[:, :, :length].index_select(0, plan.row_pages[:, 0])
     _, hkv, page_size, d = heads_first.shape
-    # The gather is a fresh copy, so it is masked in place.
-    keys = heads_first[plan.row_pages].permute(0, 2, 1, 3, 4).reshape(r, hkv, -1, d)[:, :, :length]
+    # One gather of (page, head) blocks in [R, Hkv, P] order lands the keys in their final
+    # [R, Hkv, P * page_size, D] layout; the fresh copy is then masked in place.
+    heads = torch.arange(hkv, device=cache.device)[:, None]
+    keys = heads_first[plan.row_pages[:, None, :], heads].view(r, hkv, -1, d)[:, :, :length]
     # Pages past a row's last position may hold anything (the table may not even name
     # them: those read page 0): zero them so a hidden key meets a finite zero probability.
     return keys.masked_fill_(~plan.key_valid[:, None, :, None], 0)
