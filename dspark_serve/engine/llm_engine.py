@@ -2,8 +2,10 @@
 
 One ``step()`` = schedule, run, commit:
 
-1. admit waiting requests into free KV slots; pick prefill chunks (at most ``prefill_chunk``
-   prompt tokens per step) and the decoding requests;
+1. reserve KV pages for every decoding request's next verify block (preempting the newest
+   requests if the pool runs dry, see below), admit waiting requests while the pool has pages
+   for them; pick prefill chunks (at most ``prefill_chunk`` prompt tokens per step) and the
+   decoding requests;
 2. draft a block for every decoding request and schedule its verify length l_r
    (``Speculator``), then run ONE target forward over the flattened tokens of all requests
    (prefill chunks + anchor and l_r drafts per decoding request);
@@ -19,6 +21,16 @@ the grammar between 2's drafting and the target forward.
 Plain decoding (``speculative="none"``) is the same step with l_r = 0 and no drafter; so is
 a step whose scheduler finds drafting not worth its time (``Speculator.should_draft``), except
 that the committed token still enters the drafter's context.
+
+KV memory is a pool of pages (``engine.kv_cache``, ``EngineConfig.kv_cache_tokens``). A
+waiting request is admitted, in arrival order, once a slot and pages for its prompt, its first
+token and one draft block are free; a decoding request gets pages for its anchor and gamma
+drafts before each step. When the pool cannot grow a decoding request, the newest running
+request is preempted as in vLLM: its pages are freed and it goes back to the head of the
+queue with its tokens so far, to be recomputed (prefilled again, without sampling) when pages
+free up. The pool holds at least one request of max_model_len, so the oldest request always
+fits: the engine never stalls, and preemption changes no token (its K/V are recomputed from
+the same tokens).
 """
 from __future__ import annotations
 
@@ -75,8 +87,10 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         hf_config = AutoConfig.from_pretrained(path)
         self.eos_ids = _eos_ids(self.tokenizer, hf_config)
-        self.max_model_len = min(config.max_model_len,
-                                 getattr(hf_config, "max_position_embeddings", None) or 1 << 30)
+        model_len = getattr(hf_config, "max_position_embeddings", None)
+        if config.max_model_len is None and model_len is None:
+            raise ValueError("the model config has no max_position_embeddings: set max_model_len")
+        self.max_model_len = min(config.max_model_len or model_len, model_len or 1 << 30)
         draft_path = draft_config = None
         if config.speculative in DRAFTER_MODES:
             mask_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -88,7 +102,8 @@ class LLMEngine:
                                                   quantization=config.quantization)
         self.device = self.target.device
         self.vocab_size = int(hf_config.vocab_size)
-        self.kv = self.target.new_kv_cache(config.max_num_seqs, self.max_model_len)
+        self.kv = self.target.new_kv_cache(config.max_num_seqs, self.max_model_len,
+                                           config.kv_pool_tokens(self.max_model_len))
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.speculator: Speculator | None = None
         self.gamma = 0
@@ -108,7 +123,8 @@ class LLMEngine:
                 num_slots=config.max_num_seqs, max_len=self.max_model_len,
                 always_draft=config.always_draft)
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.running: list[Request] = []  # in admission order
+        self.num_preemptions = 0
         self._step_stats: list[StepStats] = []
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use (~0.5 s)
         self._grammar_lock = threading.Lock()
@@ -156,7 +172,7 @@ class LLMEngine:
         self.grammar_compiler().compile(spec)
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV slot now; unknown or finished ids are ignored."""
+        """Drop a request and free its KV pages now; unknown or finished ids are ignored."""
         self.waiting = [r for r in self.waiting if r.request_id != request_id]
         for r in [r for r in self.running if r.request_id == request_id]:
             self._release(r)
@@ -165,7 +181,7 @@ class LLMEngine:
         return bool(self.waiting or self.running)
 
     def kv_free_tokens(self) -> int:
-        """Token positions in free KV slots."""
+        """KV token positions new requests can still take (``KVCache.free_tokens``)."""
         return self.kv.free_tokens
 
     def pop_step_stats(self) -> list[StepStats]:
@@ -183,6 +199,7 @@ class LLMEngine:
         """
         start = time.perf_counter()
         self._grammar_seconds = 0.0
+        self._reserve_decode_pages()
         self._admit()
         if not self.running:
             return []
@@ -240,10 +257,41 @@ class LLMEngine:
 
     # ---- step phases ----------------------------------------------------------------------
 
+    def _reserve_decode_pages(self) -> None:
+        """Give every decoding request, oldest first, pages for this step's writes: its anchor
+        and up to gamma drafts (positions up to num_tokens - 1 + gamma). When the pool runs
+        dry, preempt the newest running request (possibly the one growing) and retry."""
+        for req in list(self.running):
+            if req not in self.running or req.prefilling:  # preempted, or pages reserved
+                continue
+            need = min(req.num_tokens + self.gamma, self.max_model_len)
+            while not self.kv.reserve(req.slot, need):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's pages and queue it first to be recomputed
+        (``Request.prefill_len``); its tokens, sampling state and grammar state stay."""
+        self._release(req)
+        req.num_computed = 0
+        self.waiting.insert(0, req)
+        self.num_preemptions += 1
+        logger.info("KV pool full: request %s preempted (%d tokens to recompute)",
+                    req.request_id, req.prefill_len)
+
     def _admit(self) -> None:
-        while self.waiting and self.kv.num_free_slots:
-            req = self.waiting.pop(0)
-            req.slot = self.kv.allocate()
+        """Admit waiting requests in arrival order while a slot and pages for the prompt (or a
+        preempted request's tokens), the first token and one draft block are free; the head of
+        the queue waits for pages rather than being overtaken."""
+        while self.waiting:
+            req = self.waiting[0]
+            need = min(req.num_tokens + 1 + self.gamma, self.max_model_len)
+            if not self.kv.can_allocate(need):
+                break
+            self.waiting.pop(0)
+            req.slot = self.kv.allocate(need)
             if self.speculator is not None:
                 self.speculator.reset_slot(req.slot)
             self.running.append(req)
