@@ -6,8 +6,8 @@ import dataclasses
 import logging
 import os
 
-from dspark_serve.engine.config import (DTYPES, QUANTIZATIONS, SCHEDULERS, SPECULATIVE_MODES,
-                                         EngineConfig)
+from dspark_serve.engine.config import (DTYPES, POOL_TOKENS_PER_SEQ, QUANTIZATIONS, SCHEDULERS,
+                                         SPECULATIVE_MODES, EngineConfig)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BACKENDS = ("embedded", "sglang")
@@ -42,9 +42,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="hybrid: shortest suffix match prompt lookup drafts with "
                         "(default: %(default)s)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
-                   help="context limit per request in tokens (default: %(default)s)")
+                   help="context limit per request in tokens (default: the model's "
+                        "max_position_embeddings, 8192 for the default model)")
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
                    help="most requests per step (default: %(default)s)")
+    p.add_argument("--kv-cache-tokens", type=int, default=_DEFAULTS["kv_cache_tokens"],
+                   help="KV cache size in token positions: one pool of 64-token pages shared "
+                        "by all requests, which wait for free pages; at least --max-model-len "
+                        f"(default: {POOL_TOKENS_PER_SEQ} per --max-num-seqs, at least "
+                        "--max-model-len; 22.5 KiB per token on the default model)")
     p.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
                    help="weight dtype (default: %(default)s)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS["quantization"],
@@ -82,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, draft=args.draft, speculative=args.speculative,
         scheduler=args.scheduler, gamma=args.gamma, cost_table=args.cost_table,
         calibration=args.calibration, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed, dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold, lookup_calibration=args.lookup_calibration,
         lookup_min_match=args.lookup_min_match, mask_drafts=args.mask_drafts)
