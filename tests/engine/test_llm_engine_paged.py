@@ -63,7 +63,7 @@ def test_out_of_pages_preempts_and_recomputes(speculative, make_engine, mtbench_
     outputs equal those of a pool that never runs out, every page gets reused, and all pages
     are free at the end."""
     prompts = dict(list(mtbench_prompts.items())[:6])
-    lengths = [20, 90, 5, 60, 120, 40]
+    lengths = [12, 60, 5, 40, 80, 24]
     params = {rid: SamplingParams(temperature=0.0 if i % 2 else 1.0, seed=i, max_tokens=n,
                                   ignore_eos=True)
               for i, (rid, n) in enumerate(zip(prompts, lengths))}
