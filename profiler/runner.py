@@ -60,9 +60,10 @@ def target_step(model, cache, *, max_requests: int | None = None,
             pos = torch.arange(filled, context_len, device=device)
             rows = cache.write_rows(slot_ids.repeat_interleave(pos.numel()), pos.repeat(n))
             for kv in (cache.k, cache.v):
-                flat = kv.view(kv.shape[0], -1, kv.shape[-1])  # a layer's rows, as write_rows
-                flat[:, rows] = torch.empty(flat.shape[0], rows.numel(), flat.shape[2],
-                                            dtype=kv.dtype, device=device).normal_(0.0, KV_FILL_STD)
+                flat = kv.view(kv.shape[0], -1, kv.shape[-1])  # [layers, write_rows' rows, D]
+                noise = torch.empty(flat.shape[0], rows.numel(), flat.shape[2], dtype=kv.dtype,
+                                    device=device)
+                flat[:, rows] = noise.normal_(0.0, KV_FILL_STD)
             filled = context_len
         counts = torch.tensor(per, dtype=torch.int64)
         tok_slots = slot_ids[:r].repeat_interleave(counts.to(device))

@@ -88,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, draft=args.draft, speculative=args.speculative,
         scheduler=args.scheduler, gamma=args.gamma, cost_table=args.cost_table,
         calibration=args.calibration, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
+        dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold, lookup_calibration=args.lookup_calibration,
         lookup_min_match=args.lookup_min_match, mask_drafts=args.mask_drafts)

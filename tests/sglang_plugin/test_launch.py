@@ -16,7 +16,8 @@ def _parse(argv):
 def test_argv_for_dspark_with_passthrough():
     args = _parse(["--backend", "sglang", "--gamma", "6", "--cost-table", "sps.json",
                    "--calibration", "sts.json", "--port", "9000", "--dtype", "bfloat16",
-                   "--max-model-len", "2048", "--", "--tp-size", "2", "--mem-fraction-static", "0.7"])
+                   "--max-model-len", "2048",
+                   "--", "--tp-size", "2", "--mem-fraction-static", "0.7"])
     assert args.backend == "sglang"
     argv = build_sglang_argv(args, "/m", "/d")
     assert argv == ["--model-path", "/m", "--host", "127.0.0.1", "--port", "9000",
