@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from dspark_serve.ops.page_table import PageTable
+
 # Positions per page; a slot starts with one page (the store with one per slot).
 PAGE_SIZE = 64
 
@@ -29,8 +31,8 @@ class DraftContextCache:
         k, v: [num_layers, num_pages, PAGE_SIZE, num_kv_heads, head_dim] in the drafter's
             dtype; keys are stored after k_norm and RoPE. Position p of slot s lives in page
             ``page_table[s, p // PAGE_SIZE]`` at offset ``p % PAGE_SIZE``.
-        page_table: [num_slots, ceil(max_len / PAGE_SIZE)] int64; entries past a slot's pages
-            name page 0 and are never read unmasked.
+        page_table: [num_slots, ceil(max_len / PAGE_SIZE)] int64 (``ops.page_table``;
+            entries past a slot's pages are read only where masked).
         lengths: [num_slots] int64; positions 0..lengths[s]-1 of slot s hold context.
 
     A new cache is empty (every length 0). Raises ValueError for non-positive sizes.
@@ -43,12 +45,13 @@ class DraftContextCache:
         shape = (num_layers, num_slots, PAGE_SIZE, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_table = torch.zeros(num_slots, -(-max_len // PAGE_SIZE), dtype=torch.int64,
-                                      device=device)
+        self._pages = PageTable(num_slots, -(-max_len // PAGE_SIZE), num_slots, device)
         self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self._max_len = max_len
-        self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
-        self._free_pages = list(range(num_slots - 1, -1, -1))  # popped lowest first
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self._pages.table
 
     @property
     def num_slots(self) -> int:
@@ -99,7 +102,8 @@ class DraftContextCache:
         if not bool((grown == new_len - self.lengths).all()):
             raise ValueError("context positions must continue each slot without gaps")
         for slot, length in enumerate(new_len.tolist()):
-            self._take_pages(slot, -(-length // PAGE_SIZE))
+            while not self._pages.grow(slot, -(-length // PAGE_SIZE)):
+                self._grow()
         pages = self.page_table[slots, positions // PAGE_SIZE]
         offsets = positions % PAGE_SIZE
         self.k[:, pages, offsets] = k.to(self.k.dtype)
@@ -123,21 +127,9 @@ class DraftContextCache:
         self.check_slots(slots)
         self.lengths[slots] = 0
         for slot in slots.tolist():
-            self._free_pages += self._slot_pages[slot]
-            self._slot_pages[slot] = []
-        self._free_pages.sort(reverse=True)
-
-    def _take_pages(self, slot: int, count: int) -> None:
-        """Give ``slot`` pages up to ``count``, doubling the store when none is free."""
-        pages = self._slot_pages[slot]
-        while len(pages) < count:
-            if not self._free_pages:
-                self._grow()
-            page = self._free_pages.pop()
-            self.page_table[slot, len(pages)] = page
-            pages.append(page)
+            self._pages.release(slot)
 
     def _grow(self) -> None:
-        old = self.num_pages
+        """Double the page store (new pages zeroed, so every entry stays finite)."""
+        self._pages.add_pages(self.num_pages)
         self.k, self.v = (torch.cat([c, torch.zeros_like(c)], dim=1) for c in (self.k, self.v))
-        self._free_pages = list(range(2 * old - 1, old - 1, -1))

@@ -35,6 +35,7 @@ import heapq
 
 import torch
 
+from dspark_serve.ops.page_table import PageTable
 from dspark_serve.ops.paged_attention import KV_BLOCK
 
 # The engine pool's page: one attention key block, so a request wastes less than a block
@@ -50,9 +51,8 @@ class KVCache:
             keys after RoPE (and Qwen3's k_norm). ``paged(layer)`` shows one layer as the
             paged cache ``dspark_serve.ops.varlen_attention`` reads.
         page_table: [num_slots, ceil(max_len / page_size)] int64 on the cache device: slot s's
-            j-th page holds its positions j * page_size ... (j + 1) * page_size - 1. Entries
-            past a slot's reserved pages (and rows of free slots) name valid but unrelated
-            pages; they are never read.
+            j-th page holds its positions j * page_size ... (j + 1) * page_size - 1
+            (``ops.page_table.PageTable``; entries past a slot's pages are never read).
         allocated: [num_slots] bool (CPU), slots in use.
 
     Args:
@@ -93,15 +93,12 @@ class KVCache:
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.page_table = (torch.arange(num_slots * slot_pages, device=device)
-                           % num_pages).view(num_slots, slot_pages)
+        # One page per slot: slot s's pages start as page s, as its row already names.
+        self._pages = PageTable(num_slots, slot_pages, num_pages, device)
         self._max_len = max_len
         self.allocated = torch.zeros(num_slots, dtype=torch.bool)
-        self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
         self._reserved = torch.zeros(num_slots, dtype=torch.int64)  # positions per slot (CPU)
-        # Lowest ids first keep the used part of the cache compact (heaps of free ids).
-        self._free_slots = list(range(num_slots))
-        self._free_pages = list(range(num_pages))
+        self._free_slots = list(range(num_slots))  # a heap, lowest slot first
 
     @property
     def num_layers(self) -> int:
@@ -128,6 +125,10 @@ class KVCache:
         return self.page_table.shape[0]
 
     @property
+    def page_table(self) -> torch.Tensor:
+        return self._pages.table
+
+    @property
     def max_len(self) -> int:
         """Most token positions one request can hold (prompt + completion)."""
         return self._max_len
@@ -138,7 +139,7 @@ class KVCache:
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return self._pages.num_free
 
     @property
     def capacity_tokens(self) -> int:
@@ -190,16 +191,9 @@ class KVCache:
         """
         self._check_slot(slot)
         self._check_num_tokens(num_tokens)
-        pages = self._slot_pages[slot]
-        need = self.pages_for(num_tokens) - len(pages)
-        if need > self.num_free_pages:
+        if not self._pages.grow(slot, self.pages_for(num_tokens)):
             return False
-        if need > 0:
-            new = [heapq.heappop(self._free_pages) for _ in range(need)]
-            self.page_table[slot, len(pages):len(pages) + need] = torch.tensor(
-                new, device=self.page_table.device)
-            pages += new
-            self._reserved[slot] = min(len(pages) * self.page_size, self.max_len)
+        self._reserved[slot] = min(self._pages.num_held(slot) * self.page_size, self.max_len)
         return True
 
     def reserved_tokens(self, slot: int) -> int:
@@ -208,7 +202,7 @@ class KVCache:
 
     def pages_of(self, slot: int) -> list[int]:
         """The page ids ``slot`` holds, in position order (a copy)."""
-        return list(self._slot_pages[slot])
+        return self._pages.pages_of(slot)
 
     def free(self, slot: int) -> None:
         """Return a finished (or aborted) request's slot and all its pages.
@@ -218,9 +212,7 @@ class KVCache:
         """
         self._check_slot(slot)
         self.allocated[slot] = False
-        for page in self._slot_pages[slot]:
-            heapq.heappush(self._free_pages, page)
-        self._slot_pages[slot] = []
+        self._pages.release(slot)
         self._reserved[slot] = 0
         heapq.heappush(self._free_slots, slot)
 
