@@ -6,45 +6,65 @@ on a draft block, so each committed position is projected once and kept across r
 round only adds the positions committed since the previous one, as DeepSpec's evaluator does
 with its draft DynamicCache (``deepspec/eval/dspark/draft_ops.py``: the cache is cropped back
 to the anchor position after every block).
+
+Storage is paged like the target's KV pool (``model.kv_cache``): a slot takes pages of
+``PAGE_SIZE`` positions as its context grows and returns them on ``reset``, and the page
+store doubles when every page is taken. Memory therefore follows the context the slots hold
+together (at most twice its peak), not ``num_slots * max_len``: at the default model's 8192
+context and 16 slots a preallocated cache would take 192 MiB for the default drafter (2
+layers, 3 KV heads of 64, bfloat16), and ~10 GiB for an 8B target's drafter.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from dspark_serve.ops.page_table import PageTable
 
-@dataclass
+# Positions per page; a slot starts with one page (the store with one per slot).
+PAGE_SIZE = 64
+
+
 class DraftContextCache:
     """Context K/V of every draft layer for ``num_slots`` request slots.
 
-    k, v:    [num_layers, num_slots, max_len, num_kv_heads, head_dim] in the drafter's dtype;
-             keys are stored after k_norm and RoPE at their absolute positions.
-    lengths: [num_slots] int64; positions 0..lengths[s]-1 of slot s hold context.
+    Attributes:
+        k, v: [num_layers, num_pages, PAGE_SIZE, num_kv_heads, head_dim] in the drafter's
+            dtype; keys are stored after k_norm and RoPE. Position p of slot s lives in page
+            ``page_table[s, p // PAGE_SIZE]`` at offset ``p % PAGE_SIZE``.
+        page_table: [num_slots, ceil(max_len / PAGE_SIZE)] int64 (``ops.page_table``;
+            entries past a slot's pages are read only where masked).
+        lengths: [num_slots] int64; positions 0..lengths[s]-1 of slot s hold context.
+
+    A new cache is empty (every length 0). Raises ValueError for non-positive sizes.
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
-    lengths: torch.Tensor
-
-    @classmethod
-    def empty(cls, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
-              head_dim: int, dtype: torch.dtype, device: torch.device | str) -> "DraftContextCache":
-        """A zero-length cache. Raises ValueError for non-positive sizes."""
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
         if min(num_layers, num_slots, max_len, num_kv_heads, head_dim) <= 0:
             raise ValueError("cache dimensions must all be > 0")
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
-        return cls(k=torch.zeros(shape, dtype=dtype, device=device),
-                   v=torch.zeros(shape, dtype=dtype, device=device),
-                   lengths=torch.zeros(num_slots, dtype=torch.int64, device=device))
+        shape = (num_layers, num_slots, PAGE_SIZE, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._pages = PageTable(num_slots, -(-max_len // PAGE_SIZE), num_slots, device)
+        self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self._max_len = max_len
+
+    @property
+    def page_table(self) -> torch.Tensor:
+        return self._pages.table
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[1]
+        return self.page_table.shape[0]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self._max_len
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the store (held or free)."""
+        return self.k.shape[1]
 
     def check_slots(self, slots: torch.Tensor) -> None:
         """Raises ValueError unless ``slots`` is an int64 vector of valid slot ids on the
@@ -81,11 +101,35 @@ class DraftContextCache:
         grown = torch.zeros_like(self.lengths).scatter_add_(0, slots, beyond)
         if not bool((grown == new_len - self.lengths).all()):
             raise ValueError("context positions must continue each slot without gaps")
-        self.k[:, slots, positions] = k.to(self.k.dtype)
-        self.v[:, slots, positions] = v.to(self.v.dtype)
+        for slot, length in enumerate(new_len.tolist()):
+            while not self._pages.grow(slot, -(-length // PAGE_SIZE)):
+                self._grow()
+        pages = self.page_table[slots, positions // PAGE_SIZE]
+        offsets = positions % PAGE_SIZE
+        self.k[:, pages, offsets] = k.to(self.k.dtype)
+        self.v[:, pages, offsets] = v.to(self.v.dtype)
         self.lengths = new_len
 
+    def context(self, layer: int, slots: torch.Tensor,
+                length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [R, length, num_kv_heads, head_dim] of positions 0..length-1 of
+        ``slots`` [R] in ``layer`` (a gathered copy; positions past a slot's own length hold
+        unrelated finite values, to be masked)."""
+        n = -(-length // PAGE_SIZE)
+        table = self.page_table[slots, :n]
+        r = table.shape[0]
+        return tuple(c[layer][table].view(r, n * PAGE_SIZE, *c.shape[3:])[:, :length]
+                     for c in (self.k, self.v))
+
     def reset(self, slots: torch.Tensor) -> None:
-        """Forget the context of ``slots`` (a finished request's slot is being reused)."""
+        """Forget the context of ``slots`` and return their pages (a finished request's slot
+        is being reused)."""
         self.check_slots(slots)
         self.lengths[slots] = 0
+        for slot in slots.tolist():
+            self._pages.release(slot)
+
+    def _grow(self) -> None:
+        """Double the page store (new pages zeroed, so every entry stays finite)."""
+        self._pages.add_pages(self.num_pages)
+        self.k, self.v = (torch.cat([c, torch.zeros_like(c)], dim=1) for c in (self.k, self.v))

@@ -94,11 +94,12 @@ class DSparkDrafter(nn.Module):
     def new_cache(self, num_slots: int, max_len: int,
                   device: torch.device | str | None = None) -> DraftContextCache:
         """An empty context cache for ``num_slots`` slots of up to ``max_len`` context
-        positions, in the drafter's dtype, on its device unless ``device`` is given."""
+        positions (paged: its memory follows the context held), in the drafter's dtype, on
+        its device unless ``device`` is given."""
         w = self.backbone.fc.weight
-        return DraftContextCache.empty(self.config.num_hidden_layers, num_slots, max_len,
-                                       self.config.num_key_value_heads, self.config.head_dim,
-                                       w.dtype, w.device if device is None else device)
+        return DraftContextCache(self.config.num_hidden_layers, num_slots, max_len,
+                                 self.config.num_key_value_heads, self.config.head_dim,
+                                 w.dtype, w.device if device is None else device)
 
     @torch.no_grad()
     def extend_context(self, cache: DraftContextCache, slots: torch.Tensor,
@@ -148,7 +149,7 @@ class DSparkDrafter(nn.Module):
         block_ids = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)
         embed_tokens, lm_head = self.shared_modules
         hidden = self.backbone(embed_tokens(block_ids), anchor_positions[:, None] + offsets,
-                               lambda i: (cache.k[i, slots, :ctx_len], cache.v[i, slots, :ctx_len]),
+                               lambda i: cache.context(i, slots, ctx_len),
                                ctx_mask)[:, cfg.label_offset:]
         weight = getattr(lm_head, "weight", None)
         return hidden, lm_head(hidden if weight is None else hidden.to(weight.dtype))

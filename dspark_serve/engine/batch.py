@@ -19,7 +19,8 @@ class StepPlan:
     """What one step runs (R_d decoding requests, gamma draft positions, V vocabulary).
 
     decode:          decoding requests, in verify order.
-    prefill:         (request, number of prompt tokens this step) for every prefill chunk.
+    prefill:         (request, number of prompt tokens this step) for every prefill chunk
+                     (a preempted request's "prompt" is ``Request.prefill_len`` tokens).
     gamma:           draft positions of this step's blocks (0 without speculation).
     block:           the drafted blocks of ``decode`` ([R_d, gamma] tokens / probs), or None.
     lengths:         [R_d] int64 (CPU) verify lengths l_r.
@@ -33,8 +34,10 @@ class StepPlan:
 
     @property
     def prefill_done(self) -> list[Request]:
-        """Requests whose prompt completes this step (their first token is sampled now)."""
-        return [r for r, n in self.prefill if r.num_computed + n == len(r.prompt_ids)]
+        """Requests whose prompt completes this step (their first token is sampled now; a
+        preempted request that completes its recompute decodes from the next step)."""
+        return [r for r, n in self.prefill
+                if not r.output_ids and r.num_computed + n == len(r.prompt_ids)]
 
     @property
     def verify_requests(self) -> list[Request]:
@@ -53,7 +56,7 @@ class StepPlan:
             pos += range(p, p + l_r + 1)
         for r, n in self.prefill:
             starts.append(len(ids))
-            ids += r.prompt_ids[r.num_computed:r.num_computed + n]
+            ids += (r.prompt_ids + r.output_ids)[r.num_computed:r.num_computed + n]
             slots += [r.slot] * n
             pos += range(r.num_computed, r.num_computed + n)
         return ids, slots, pos, starts
@@ -88,7 +91,7 @@ def plan_step(running: list[Request], prefill_chunk: int) -> StepPlan:
     prefill, budget = [], prefill_chunk
     for r in running:
         if r.prefilling and budget > 0:
-            n = min(budget, len(r.prompt_ids) - r.num_computed)
+            n = min(budget, r.prefill_len - r.num_computed)
             prefill.append((r, n))
             budget -= n
     return StepPlan(decode, prefill, lengths=torch.zeros(len(decode), dtype=torch.int64))

@@ -34,7 +34,7 @@ class EngineParts:
     tokenizer: the target's Hugging Face tokenizer (with its chat template).
     model_name: served model name. eos_ids: end-of-sequence token ids.
     max_model_len: context limit in tokens. vocab_size: V.
-    target, kv: the target model and its KV cache (``max_num_seqs`` slots).
+    target, kv: the target model and its KV cache (``max_num_seqs`` slots over a page pool).
     speculator: drafting + verify-length scheduling, None without speculation.
     gamma: draft tokens per round (0 without speculation).
     generator: the engine's RNG (requests without a seed draw from it).
@@ -63,8 +63,10 @@ def build_engine(config: EngineConfig) -> EngineParts:
     model_name = Path(path).name if config.model else MODEL_NAME
     tokenizer = AutoTokenizer.from_pretrained(path)
     hf_config = AutoConfig.from_pretrained(path)
-    max_model_len = min(config.max_model_len,
-                        getattr(hf_config, "max_position_embeddings", None) or 1 << 30)
+    model_len = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None and model_len is None:
+        raise ValueError("the model config has no max_position_embeddings: set max_model_len")
+    max_model_len = min(config.max_model_len or model_len, model_len or 1 << 30)
     draft_path = draft_config = None
     if config.speculative in DRAFTER_MODES:
         mask_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -75,7 +77,8 @@ def build_engine(config: EngineConfig) -> EngineParts:
     target = TargetModel.from_pretrained(path, dtype=config.dtype, target_layer_ids=taps,
                                          quantization=config.quantization)
     vocab_size = int(hf_config.vocab_size)
-    kv = target.new_kv_cache(config.max_num_seqs, max_model_len)
+    kv = target.new_kv_cache(config.max_num_seqs, max_model_len,
+                             config.kv_pool_tokens(max_model_len))
     generator = torch.Generator(device=target.device).manual_seed(config.seed)
     speculator, gamma = None, 0
     if config.speculative != "none":

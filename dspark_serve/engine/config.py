@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark_serve.drafter.config import DRAFTER_KINDS
+from dspark_serve.model.kv_cache import PAGE_SIZE
 from dspark_serve.scheduling import SCHEDULER_NAMES
 from dspark_serve.types import DTYPES
 
@@ -12,6 +13,8 @@ SPECULATIVE_MODES = ("none", *DRAFTER_KINDS, "ngram", "hybrid")
 DRAFTER_MODES = (*DRAFTER_KINDS, "hybrid")
 LOOKUP_MODES = ("ngram", "hybrid")
 QUANTIZATIONS = ("none", "int4")
+# Default KV pool per running request (kv_cache_tokens): the former per-slot reservation.
+POOL_TOKENS_PER_SEQ = 2048
 
 
 @dataclass
@@ -31,8 +34,16 @@ class EngineConfig:
     gamma: block size (draft tokens per round); None = the drafter's trained block size.
     cost_table: SPS cost table JSON (SGLang format); None = profile this machine at startup.
     calibration: STS calibration JSON; None = the calibration shipped with the drafter.
-    max_model_len: context limit in tokens (prompt + completion) per request.
+    max_model_len: context limit in tokens (prompt + completion) per request; None = the
+        model's own (``max_position_embeddings``, 8192 for the default model).
     max_num_seqs: most requests running in one step; more wait in the queue.
+    kv_cache_tokens: size of the target's KV page pool in token positions, shared by all
+        running requests (``model.kv_cache``: pages of 64 positions, 22.5 KiB per position
+        in bfloat16 on the default model); at least max_model_len. None = max_num_seqs times
+        min(POOL_TOKENS_PER_SEQ = 2048, max_model_len) in whole pages, but at least
+        max_model_len: what the former cache of one max_model_len slot per request held up to
+        2048 (720 MiB by default), and one request of the full context. Requests are admitted
+        when pages are free (``LLMEngine``).
     seed: seed of the engine's global RNG (requests without their own seed draw from it).
     dtype: weight and activation dtype of the target and drafter. "bfloat16" (default) is what
         the shipped drafters were trained against, runs 2-6x faster on CPUs with AVX512-BF16 /
@@ -78,8 +89,9 @@ class EngineConfig:
     gamma: int | None = None
     cost_table: str | None = None
     calibration: str | None = None
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     max_num_seqs: int = 16
+    kv_cache_tokens: int | None = None
     seed: int = 0
     dtype: str = "bfloat16"
     quantization: str = "none"
@@ -99,8 +111,8 @@ class EngineConfig:
                                      ("quantization", self.quantization, QUANTIZATIONS)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-        for name in ("max_model_len", "max_num_seqs", "prefill_chunk", "gamma", "max_batch_tokens",
-                     "lookup_min_match"):
+        for name in ("max_model_len", "max_num_seqs", "kv_cache_tokens", "prefill_chunk", "gamma",
+                     "max_batch_tokens", "lookup_min_match"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
@@ -115,3 +127,18 @@ class EngineConfig:
                              f"{self.dtype!r}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1]; got {self.threshold!r}")
+
+    def kv_pool_tokens(self, max_model_len: int) -> int:
+        """Token positions of the KV page pool once the context limit ``max_model_len`` is
+        resolved (see ``kv_cache_tokens``).
+
+        Raises:
+            ValueError: an explicit kv_cache_tokens below max_model_len.
+        """
+        if self.kv_cache_tokens is None:
+            per_seq = -(-min(POOL_TOKENS_PER_SEQ, max_model_len) // PAGE_SIZE) * PAGE_SIZE
+            return max(self.max_num_seqs * per_seq, max_model_len)
+        if self.kv_cache_tokens < max_model_len:
+            raise ValueError(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one request of "
+                             f"the context limit ({max_model_len} tokens)")
+        return self.kv_cache_tokens

@@ -2,8 +2,10 @@
 
 One ``step()`` = schedule -> run -> verify -> postprocess:
 
-1. schedule (``RequestScheduler``): admit waiting requests into free KV slots; pick prefill
-   chunks (at most ``prefill_chunk`` prompt tokens per step) and the decoding requests;
+1. schedule (``RequestScheduler``): reserve KV pages for every decoding request's next verify
+   block (preempting the newest requests if the pool runs dry), admit waiting requests while
+   the pool has pages for them; pick prefill chunks (at most ``prefill_chunk`` prompt tokens
+   per step) and the decoding requests;
 2. run (``ModelRunner``): draft a block for every decoding request and schedule its verify
    length l_r (``Speculator``), fit drafts to grammars, then run ONE target forward over the
    flattened tokens of all requests (prefill chunks + anchor and l_r drafts per decoding
@@ -13,7 +15,7 @@ One ``step()`` = schedule -> run -> verify -> postprocess:
    warping), seeded replay and rejection sampling;
 4. postprocess: commit token by token with stop strings, stop tokens, EOS and max_tokens
    checked after each token; the anchor and accepted drafts enter the drafter's context;
-   finished requests free their slots.
+   finished requests free their KV pages.
 
 Plain decoding (``speculative="none"``) is the same step with l_r = 0 and no drafter; so is
 a step whose scheduler finds drafting not worth its time (``Speculator.should_draft``), except
@@ -62,8 +64,8 @@ class LLMEngine:
         self.target, self.kv, self.speculator = parts.target, parts.kv, parts.speculator
         self.device, self.generator = parts.target.device, parts.generator
         self.scheduler = RequestScheduler(
-            self.kv, config.prefill_chunk,
-            self.speculator.reset_slot if self.speculator is not None else None)
+            self.kv, config.prefill_chunk, gamma=self.gamma, max_model_len=self.max_model_len,
+            on_admit=self.speculator.reset_slot if self.speculator is not None else None)
         self.runner = ModelRunner(self.target, self.kv, self.speculator, gamma=self.gamma,
                                   max_model_len=self.max_model_len,
                                   mask_drafts=config.mask_drafts)
@@ -79,6 +81,11 @@ class LLMEngine:
     @property
     def running(self) -> list[Request]:
         return self.scheduler.running
+
+    @property
+    def num_preemptions(self) -> int:
+        """Requests preempted so far because the KV pool ran out of pages."""
+        return self.scheduler.num_preemptions
 
     # ---- public API (see dspark_serve.server.async_engine) ---------------------------------
 
@@ -122,14 +129,14 @@ class LLMEngine:
         self.grammar_compiler().compile(spec)
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its KV slot now; unknown or finished ids are ignored."""
+        """Drop a request and free its KV pages now; unknown or finished ids are ignored."""
         self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def kv_free_tokens(self) -> int:
-        """Token positions in free KV slots."""
+        """KV token positions new requests can still take (``KVCache.free_tokens``)."""
         return self.kv.free_tokens
 
     def pop_step_stats(self) -> list[StepStats]:

@@ -3,7 +3,8 @@
 A request's tokens are ``prompt_ids + output_ids``. The target K/V cache holds the first
 ``num_computed`` of them. While decoding, exactly one token lacks K/V: the last output token,
 which is the anchor of the next verify round (its target forward happens together with the
-drafts that follow it).
+drafts that follow it). A request preempted for KV pages (``LLMEngine``) restarts at
+``num_computed = 0`` and prefills all its tokens but that anchor again.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Request:
     detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
-    slot: int = -1                  # KV slot while running, -1 while waiting
+    slot: int = -1                  # KV cache slot while running, -1 while waiting
     num_computed: int = 0           # tokens with target K/V (and drafter context)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -47,9 +48,15 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens that need target K/V before the request decodes: its prompt, or after a
+        preemption every token but the last (the next anchor)."""
+        return self.num_tokens - 1 if self.output_ids else len(self.prompt_ids)
+
+    @property
     def prefilling(self) -> bool:
-        """True until every prompt token has target K/V."""
-        return self.num_computed < len(self.prompt_ids)
+        """True until every token of ``prefill_len`` has target K/V."""
+        return self.num_computed < self.prefill_len
 
     @property
     def anchor(self) -> int:

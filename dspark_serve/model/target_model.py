@@ -12,8 +12,9 @@ rows) is done once for all layers.
 Usage (the engine's contract):
 
     model = TargetModel.from_pretrained(path, dtype="bfloat16", target_layer_ids=[1, 14, 27])
-    cache = model.new_kv_cache(num_slots=16, max_len=2048)
-    slot = cache.allocate()
+    cache = model.new_kv_cache(num_slots=16, max_len=8192, num_tokens=32768)  # a page pool
+    slot = cache.allocate(len(prompt_ids))    # pages for the prompt
+    cache.reserve(slot, num_tokens)           # more pages as the request grows
     out = model.forward(input_ids, slots, positions, cache, logit_indices)
     out.logits   # [N, V] float32, rows of logit_indices
     out.taps     # [T, len(target_layer_ids) * hidden] model dtype, for the drafter
@@ -51,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_serve.model.kv_cache import KVCache
+from dspark_serve.model.kv_cache import PAGE_SIZE, KVCache
 from dspark_serve.model.linear import flat_call
 from dspark_serve.model.target_weights import TargetWeights, load_weights
 from dspark_serve.ops.paged_attention import plan_varlen, varlen_attention, varlen_kernel_applies
@@ -134,11 +135,16 @@ class TargetModel:
     def device(self) -> torch.device:
         return self.weights.embed.device
 
-    def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
-        """An empty cache of ``num_slots`` request slots of ``max_len`` positions each."""
+    def new_kv_cache(self, num_slots: int, max_len: int,
+                     num_tokens: int | None = None) -> KVCache:
+        """An empty cache of ``num_slots`` request slots of up to ``max_len`` positions each:
+        a pool of ``num_tokens`` positions (rounded up to whole ``PAGE_SIZE`` pages) shared by
+        the slots, or None = one page of ``max_len`` positions per slot."""
         w = self.weights
+        pool = {} if num_tokens is None else dict(page_size=PAGE_SIZE,
+                                                  num_pages=-(-num_tokens // PAGE_SIZE))
         return KVCache(w.num_layers, num_slots, max_len, w.num_kv_heads, w.head_dim,
-                       self.dtype, self.device)
+                       self.dtype, self.device, **pool)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
@@ -147,7 +153,7 @@ class TargetModel:
 
         Args:
             input_ids, slots, positions: [T] int64 (T >= 1) token ids, KV cache slots
-                (allocated), absolute positions (< cache.max_len).
+                (allocated), absolute positions (< cache.max_len, reserved for their slot).
             cache: from ``new_kv_cache``.
             logit_indices: [N] int64 token indices (into 0..T-1) whose logits to compute;
                 None = all T tokens.

@@ -8,8 +8,8 @@ t attends causally to keys 0..position of its slot, so nothing is padded to a co
 The cache is paged: ``k_cache[page, i]`` holds the key of position ``j * page_size + i`` of
 every slot whose ``page_table[slot, j] == page``; it must already hold the step's own keys.
 Query head h reads KV head h // G, G = Hq / Hkv (grouped-query attention, transformers'
-``repeat_kv`` convention). The engine's ``KVCache`` is the special case of one page of
-``padded_len`` positions per slot (``KVCache.paged``).
+``repeat_kv`` convention). The engine's ``KVCache`` is such a cache: a pool of KV_BLOCK-sized
+pages, or one page per slot for the offline tools (``KVCache.paged``).
 
 The reference lays one step out on a grid (``plan_varlen``, once for all layers): the step's
 distinct slots become rows of a [R, Hkv, G * max_q, D] query grid against [R, Hkv, L, D] keys
@@ -69,6 +69,8 @@ class VarlenPlan:
     first_page:  p when P == 1 and row_pages is p, p+1, ..., p+R-1: the keys are then a view
                  of the cache, without a gather copy; else None.
     key_valid:   [R, L] bool, keys at or before the row's last position (P > 1 only).
+    masked_from: the first key position some row does not see (P > 1 only; keys before it
+                 are visible to every row, so only the ragged tail needs masking).
     num_tokens:  T.
     """
 
@@ -81,6 +83,7 @@ class VarlenPlan:
     bias: torch.Tensor
     first_page: int | None
     key_valid: torch.Tensor | None
+    masked_from: int | None
     num_tokens: int
 
 
@@ -138,7 +141,7 @@ def plan_varlen(marker: torch.Tensor, groups: int, k_cache: torch.Tensor,
     bias = bias.reshape(r, 1, groups * max_q, kv_len)
     n_pages = -(-kv_len // page_size)
     row_pages = page_table[row_slots, :n_pages].long()
-    first_page, key_valid = None, None
+    first_page, key_valid, masked_from = None, None, None
     if n_pages == 1:
         first = int(row_pages[0, 0])
         if bool((row_pages[:, 0] == torch.arange(first, first + r, device=device)).all()):
@@ -148,8 +151,9 @@ def plan_varlen(marker: torch.Tensor, groups: int, k_cache: torch.Tensor,
         needed = torch.arange(n_pages, device=device) <= (row_last // page_size)[:, None]
         row_pages = row_pages.masked_fill(~needed, 0)
         key_valid = keys <= row_last[:, None]
+        masked_from = int(row_last.min()) + 1
     return VarlenPlan(row_slots, row_pages, token_index, max_q, kv_len, groups, bias,
-                      first_page, key_valid, t)
+                      first_page, key_valid, masked_from, t)
 
 
 def varlen_attention(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tensor,
@@ -270,9 +274,9 @@ def _attend(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
     """[R, Hkv, kv_len, D] keys (or values) of the plan's grid rows. Read in the
-    [pages, Hkv, page_size, D] orientation: for KVCache's one-page-per-slot layout that is its
-    storage order, so a consecutive run of pages is a view and a gather copies exactly what
-    the engine has always read (the batch invariance depends on these strides)."""
+    [pages, Hkv, page_size, D] orientation, ``KVCache``'s storage order: a consecutive run of
+    single pages is a view, and a gather copies exactly those keys into a contiguous
+    [R, Hkv, kv_len, D] (the batch invariance depends on these strides)."""
     heads_first = cache.transpose(1, 2)
     length = plan.kv_len
     r, n_pages = plan.row_pages.shape
@@ -282,11 +286,17 @@ def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
             return heads_first[p:p + r, :, :length]
         return heads_first[:, :, :length].index_select(0, plan.row_pages[:, 0])
     _, hkv, page_size, d = heads_first.shape
-    # The gather is a fresh copy, so it is masked in place.
-    keys = heads_first[plan.row_pages].permute(0, 2, 1, 3, 4).reshape(r, hkv, -1, d)[:, :, :length]
+    # One index_select of (page, head) blocks in [R, Hkv, P] order lands the keys in their
+    # final [R, Hkv, P * page_size, D] layout (the reshape is a view of KVCache's storage).
+    blocks = plan.row_pages[:, None, :] * hkv + torch.arange(hkv, device=cache.device)[:, None]
+    keys = heads_first.reshape(-1, page_size, d).index_select(0, blocks.reshape(-1))
+    keys = keys.view(r, hkv, -1, d)[:, :, :length]
     # Pages past a row's last position may hold anything (the table may not even name
-    # them: those read page 0): zero them so a hidden key meets a finite zero probability.
-    return keys.masked_fill_(~plan.key_valid[:, None, :, None], 0)
+    # them: those read page 0): zero the hidden keys (of the fresh copy) so they meet a
+    # finite zero probability.
+    lo = plan.masked_from
+    keys[:, :, lo:].masked_fill_(~plan.key_valid[:, None, lo:, None], 0)
+    return keys
 
 
 def _check_shapes(q, marker, k_cache, v_cache, page_table) -> None:

@@ -26,7 +26,8 @@ KV_FILL_STD = 0.5  # random cached keys/values: real data, never the OS's shared
 def target_step(model, cache, *, max_requests: int | None = None,
                 seed: int = 0) -> Iterator[StepFn]:
     """A ``step(B, C)`` running ``model.forward`` on the probe layout above, holding
-    ``min(max_requests, free slots)`` slots of ``cache`` (returned on exit).
+    ``probe_requests(cache, max_requests)`` slots of ``cache``, each with
+    ``probe_room`` positions (returned on exit).
 
     Args:
         model: ``dspark_serve.model.target_model.TargetModel`` (or anything with its
@@ -34,13 +35,13 @@ def target_step(model, cache, *, max_requests: int | None = None,
         cache: its ``KVCache`` (e.g. the engine's own, while no request runs).
         max_requests: most requests per probe; None = all free slots.
     Raises:
-        ValueError: no free slot, or (from ``step``) C + tokens per request > cache.max_len.
+        ValueError: no free slot, or (from ``step``) C + tokens per request > the room.
     """
-    n = cache.num_free_slots if max_requests is None else min(max_requests,
-                                                               cache.num_free_slots)
+    n = probe_requests(cache, max_requests)
     if n < 1:
         raise ValueError("the KV cache has no free slot to profile with")
-    slots = [cache.allocate() for _ in range(n)]
+    room = probe_room(cache, n)
+    slots = [cache.allocate(room) for _ in range(n)]
     device = cache.k.device
     gen = torch.Generator(device="cpu").manual_seed(seed)
     vocab = model.weights.vocab_size
@@ -51,13 +52,18 @@ def target_step(model, cache, *, max_requests: int | None = None,
         nonlocal filled
         r = min(batch_tokens, n)
         per = [batch_tokens // r + (i < batch_tokens % r) for i in range(r)]
-        if context_len + per[0] > cache.max_len:
+        if context_len + per[0] > room:
             raise ValueError(f"context {context_len} + {per[0]} tokens per request exceeds the "
-                             f"cache's max_len {cache.max_len}")
+                             f"{room} positions of a probe request (cache max_len "
+                             f"{cache.max_len})")
         if context_len > filled:
+            pos = torch.arange(filled, context_len, device=device)
+            rows = cache.write_rows(slot_ids.repeat_interleave(pos.numel()), pos.repeat(n))
             for kv in (cache.k, cache.v):
-                for s in slots:  # basic indexing: a view, so normal_ writes the cache
-                    kv[:, s, :, filled:context_len].normal_(0.0, KV_FILL_STD)
+                flat = kv.view(kv.shape[0], -1, kv.shape[-1])  # [layers, write_rows' rows, D]
+                noise = torch.empty(flat.shape[0], rows.numel(), flat.shape[2], dtype=kv.dtype,
+                                    device=device)
+                flat[:, rows] = noise.normal_(0.0, KV_FILL_STD)
             filled = context_len
         counts = torch.tensor(per, dtype=torch.int64)
         tok_slots = slot_ids[:r].repeat_interleave(counts.to(device))
@@ -72,6 +78,19 @@ def target_step(model, cache, *, max_requests: int | None = None,
     finally:
         for s in slots:
             cache.free(s)
+
+
+def probe_requests(cache, max_requests: int | None) -> int:
+    """Requests a probe spreads its tokens over: free slots (at most ``max_requests``), each
+    needing at least one free page."""
+    n = min(cache.num_free_slots, cache.num_free_pages)
+    return n if max_requests is None else min(max_requests, n)
+
+
+def probe_room(cache, requests: int) -> int:
+    """Positions each of ``requests`` probe requests holds: an equal share of the free
+    pages, at most the cache's max_len."""
+    return min(cache.max_len, cache.num_free_pages // requests * cache.page_size)
 
 
 def device_sync(device: torch.device):
@@ -94,13 +113,13 @@ def profile_cost_table(model, cache, *, max_batch_tokens: int, context_len: int 
     room for ``context_len + ceil(max_batch_tokens / requests)`` positions per slot (the
     grid is cut where a probe would not fit). Raises ValueError when not even B = 1 fits.
     """
-    n = cache.num_free_slots if max_requests is None else min(max_requests,
-                                                               cache.num_free_slots)
+    n = max(probe_requests(cache, max_requests), 1)
+    room = probe_room(cache, n)
     grid = [b for b in batch_grid(max_batch_tokens, per_octave)
-            if context_len + math.ceil(b / max(n, 1)) <= cache.max_len]
+            if context_len + math.ceil(b / n) <= room]
     if not grid:
-        raise ValueError(f"context_len {context_len} leaves no room in the cache's max_len "
-                         f"{cache.max_len}")
+        raise ValueError(f"context_len {context_len} leaves no room in the {room} positions of "
+                         f"a probe request (cache max_len {cache.max_len})")
     with target_step(model, cache, max_requests=max_requests) as step:
         profile = profile_sps(step, grid, [context_len], warmup=warmup, repeats=repeats,
                               sync=device_sync(cache.k.device), time_budget_s=time_budget_s,

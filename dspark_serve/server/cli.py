@@ -6,7 +6,8 @@ import dataclasses
 import logging
 import os
 
-from dspark_serve.engine.config import QUANTIZATIONS, SPECULATIVE_MODES, EngineConfig
+from dspark_serve.engine.config import (POOL_TOKENS_PER_SEQ, QUANTIZATIONS, SPECULATIVE_MODES,
+                                         EngineConfig)
 from dspark_serve.scheduling import SCHEDULER_NAMES
 from dspark_serve.types import DTYPES
 
@@ -47,9 +48,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "its token ranking at load; 0 keeps its own (default: 16384 where the "
                         "drafter ships a ranking, as the default DSpark drafter does)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
-                   help="context limit per request in tokens (default: %(default)s)")
+                   help="context limit per request in tokens (default: the model's "
+                        "max_position_embeddings, 8192 for the default model)")
     p.add_argument("--max-num-seqs", type=int, default=_DEFAULTS["max_num_seqs"],
                    help="most requests per step (default: %(default)s)")
+    p.add_argument("--kv-cache-tokens", type=int, default=_DEFAULTS["kv_cache_tokens"],
+                   help="KV cache size in token positions: one pool of 64-token pages shared "
+                        "by all requests, which wait for free pages; at least --max-model-len "
+                        f"(default: {POOL_TOKENS_PER_SEQ} per --max-num-seqs, at least "
+                        "--max-model-len; 22.5 KiB per token on the default model)")
     p.add_argument("--dtype", choices=DTYPES, default=_DEFAULTS["dtype"],
                    help="weight dtype (default: %(default)s)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=_DEFAULTS["quantization"],
@@ -87,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, draft=args.draft, speculative=args.speculative,
         scheduler=args.scheduler, gamma=args.gamma, cost_table=args.cost_table,
         calibration=args.calibration, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, seed=args.seed, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, seed=args.seed,
+        dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold, lookup_calibration=args.lookup_calibration,
         lookup_min_match=args.lookup_min_match, draft_vocab_size=args.draft_vocab_size,

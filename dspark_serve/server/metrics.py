@@ -45,7 +45,8 @@ class ServerMetrics:
                              registry=r)
         self.waiting = Gauge("dspark_num_requests_waiting", "Requests queued after the last step.",
                              registry=r)
-        self.kv_free = Gauge("dspark_kv_free_tokens", "Free KV-cache slots, in tokens.", registry=r)
+        self.kv_free = Gauge("dspark_kv_free_tokens",
+                             "KV-cache token positions new requests can still take.", registry=r)
         self.grammar_time = Histogram("dspark_grammar_mask_seconds",
                                       "Grammar mask time of one engine step (steps with "
                                       "structured-output requests only).",

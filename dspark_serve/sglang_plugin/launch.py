@@ -27,8 +27,8 @@ def build_sglang_argv(args: argparse.Namespace, model_path: str,
 
     Args:
         args: the ``serve`` namespace (model, speculative, scheduler, gamma, cost_table,
-            calibration, max_model_len, max_num_seqs, dtype, seed, host, port, log_level,
-            sglang_args).
+            calibration, max_model_len, kv_cache_tokens, max_num_seqs, dtype, seed, host,
+            port, log_level, sglang_args).
         model_path: target folder (``args.model`` or the default model, resolved by the caller).
         draft_path: drafter folder (needed unless speculative is "none").
     Raises:
@@ -44,9 +44,14 @@ def build_sglang_argv(args: argparse.Namespace, model_path: str,
         raise ValueError(f"--backend sglang runs the asynchronous scheduler only (SGLang's "
                          f"overlap scheduler), got --scheduler {args.scheduler}")
     argv = ["--model-path", model_path, "--host", args.host, "--port", str(args.port),
-            "--dtype", args.dtype, "--context-length", str(args.max_model_len),
-            "--max-running-requests", str(args.max_num_seqs),
-            "--random-seed", str(args.seed), "--log-level", args.log_level]
+            "--dtype", args.dtype]
+    # Unset: SGLang's defaults, the model's context and a pool sized from GPU memory.
+    if args.max_model_len is not None:
+        argv += ["--context-length", str(args.max_model_len)]
+    if args.kv_cache_tokens is not None:
+        argv += ["--max-total-tokens", str(args.kv_cache_tokens)]
+    argv += ["--max-running-requests", str(args.max_num_seqs),
+             "--random-seed", str(args.seed), "--log-level", args.log_level]
     if speculative == "dspark":
         if not draft_path:
             raise ValueError("--backend sglang with --speculative dspark needs --draft (no "

@@ -26,3 +26,17 @@ def test_defaults():
 def test_invalid(kwargs, text):
     with pytest.raises(ValueError, match=text.replace("[", r"\[").replace("]", r"\]")):
         EngineConfig(**kwargs)
+
+
+def test_kv_pool_size():
+    """Default: 2048 positions per sequence in whole 64-token pages (no more than the context
+    needs), at least one full context; an explicit pool must hold one full context."""
+    assert EngineConfig().max_model_len is None and EngineConfig().kv_cache_tokens is None
+    assert EngineConfig().kv_pool_tokens(8192) == 16 * 2048
+    assert EngineConfig(max_num_seqs=2).kv_pool_tokens(8192) == 8192
+    assert EngineConfig(max_num_seqs=128).kv_pool_tokens(16) == 128 * 64
+    assert EngineConfig(kv_cache_tokens=5000).kv_pool_tokens(4096) == 5000
+    with pytest.raises(ValueError, match="must hold one request"):
+        EngineConfig(kv_cache_tokens=1000).kv_pool_tokens(4096)
+    with pytest.raises(ValueError, match="kv_cache_tokens must be a positive integer"):
+        EngineConfig(kv_cache_tokens=0)

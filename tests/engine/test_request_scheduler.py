@@ -8,7 +8,8 @@ from dspark_serve.model.kv_cache import KVCache
 def _scheduler(num_slots=2, prefill_chunk=4):
     admitted = []
     kv = KVCache(1, num_slots, 16, 1, 2)
-    return RequestScheduler(kv, prefill_chunk, admitted.append), kv, admitted
+    return (RequestScheduler(kv, prefill_chunk, max_model_len=16, on_admit=admitted.append),
+            kv, admitted)
 
 
 def _request(name, prompt_len=3):

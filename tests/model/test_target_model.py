@@ -242,6 +242,33 @@ def test_bfloat16_logits_do_not_depend_on_step_size():
         assert torch.equal(logits, alone)
 
 
+def test_bfloat16_logits_do_not_depend_on_the_page_layout():
+    """A paged pool whose slots hold interleaved pages (attention gathers them) gives the
+    bfloat16 logits of the one-page-per-slot cache bit for bit, step after step."""
+    config = LlamaConfig(**{**TINY, "max_position_embeddings": 1024})
+    torch.manual_seed(4)
+    model = TargetModel.from_hf(AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (300,), generator=gen) for _ in range(2)]
+
+    def run(cache):
+        slots = [cache.allocate(1), cache.allocate(1)]
+        out = []
+        for start, end in [(0, 100), (100, 101), (101, 108), (108, 300)]:
+            for s in slots:
+                assert cache.reserve(s, end)
+            ids = torch.cat([seq[start:end] for seq in seqs])
+            positions = torch.arange(start, end).repeat(2)
+            out.append(model.forward(ids, torch.tensor(slots).repeat_interleave(end - start),
+                                     positions, cache).logits)
+        return torch.cat(out), [cache.pages_of(s) for s in slots]
+
+    contiguous, _ = run(model.new_kv_cache(2, 320))
+    paged, pages = run(model.new_kv_cache(2, 320, num_tokens=640))
+    assert pages == [[0, 2, 4, 5, 6], [1, 3, 7, 8, 9]]
+    assert torch.equal(paged, contiguous)
+
+
 def test_rejects_unsupported_models():
     with pytest.raises(ValueError, match="unsupported target model_type 'gpt2'"):
         load_weights(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))

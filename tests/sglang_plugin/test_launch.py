@@ -16,6 +16,7 @@ def _parse(argv):
 def test_argv_for_dspark_with_passthrough():
     args = _parse(["--backend", "sglang", "--gamma", "6", "--cost-table", "sps.json",
                    "--calibration", "sts.json", "--port", "9000", "--dtype", "bfloat16",
+                   "--max-model-len", "2048",
                    "--", "--tp-size", "2", "--mem-fraction-static", "0.7"])
     assert args.backend == "sglang"
     argv = build_sglang_argv(args, "/m", "/d")
@@ -28,6 +29,14 @@ def test_argv_for_dspark_with_passthrough():
                     "--speculative-num-draft-tokens", "7",
                     "--speculative-dspark-confidence-sts-path", "sts.json",
                     "--tp-size", "2", "--mem-fraction-static", "0.7"]
+
+
+def test_argv_context_and_pool_default_to_sglangs():
+    argv = build_sglang_argv(_parse(["--backend", "sglang", "--speculative", "none"]), "/m", None)
+    assert "--context-length" not in argv and "--max-total-tokens" not in argv
+    argv = build_sglang_argv(_parse(["--backend", "sglang", "--speculative", "none",
+                                     "--kv-cache-tokens", "65536"]), "/m", None)
+    assert argv[argv.index("--max-total-tokens") + 1] == "65536"
 
 
 def test_argv_without_speculation_and_errors():
