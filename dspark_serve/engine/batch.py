@@ -24,6 +24,10 @@ class StepPlan:
     gamma:           draft positions of this step's blocks (0 without speculation).
     block:           the drafted blocks of ``decode`` ([R_d, gamma] tokens / probs), or None.
     lengths:         [R_d] int64 (CPU) verify lengths l_r.
+    prefill_done:    requests whose prompt completes this step (their first token is sampled
+                     now; a preempted request that completes its recompute decodes from the
+                     next step). Fixed when the step is planned: committing changes the
+                     requests it is computed from.
     """
 
     decode: list[Request]
@@ -31,13 +35,7 @@ class StepPlan:
     gamma: int = 0
     block: DraftBlock | None = None
     lengths: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))  # [R_d]
-
-    @property
-    def prefill_done(self) -> list[Request]:
-        """Requests whose prompt completes this step (their first token is sampled now; a
-        preempted request that completes its recompute decodes from the next step)."""
-        return [r for r, n in self.prefill
-                if not r.output_ids and r.num_computed + n == len(r.prompt_ids)]
+    prefill_done: list[Request] = field(default_factory=list)
 
     @property
     def verify_requests(self) -> list[Request]:
@@ -94,4 +92,6 @@ def plan_step(running: list[Request], prefill_chunk: int) -> StepPlan:
             n = min(budget, r.prefill_len - r.num_computed)
             prefill.append((r, n))
             budget -= n
-    return StepPlan(decode, prefill, lengths=torch.zeros(len(decode), dtype=torch.int64))
+    done = [r for r, n in prefill if not r.output_ids and r.num_computed + n == len(r.prompt_ids)]
+    return StepPlan(decode, prefill, lengths=torch.zeros(len(decode), dtype=torch.int64),
+                    prefill_done=done)

@@ -78,3 +78,19 @@ def test_out_of_pages_preempts_and_recomputes(speculative, make_engine, mtbench_
     assert engine.num_preemptions > before
     assert used == set(range(engine.kv.num_pages)) and engine.kv.num_pages == 4
     assert engine.kv.num_free_pages == 4 and engine.kv_free_tokens() == 256
+
+
+def test_requests_done_at_their_first_token_free_their_slots(make_engine):
+    """More max_tokens=1 requests than slots: each finishes in the step that completes its
+    prompt and frees its slot and pages there, so the queue drains (a plan that re-read
+    "prompt completes this step" after committing left them running forever)."""
+    engine = make_engine(speculative="none", max_num_seqs=2, max_model_len=64)
+    for i in range(5):
+        engine.add_request(str(i), [100 + i] * (3 + i),
+                           SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished() and steps < 10:
+        engine.step()
+        steps += 1
+    assert not engine.has_unfinished() and steps == 3
+    assert engine.kv.num_free_slots == 2 and engine.kv.num_free_pages == engine.kv.num_pages
