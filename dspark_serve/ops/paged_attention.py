@@ -56,8 +56,9 @@ class VarlenPlan:
 
     row_slots:   [R] int64 slot of each grid row: the step's distinct slots, a slot with more
                  than q_block = max(1, MAX_GRID_ROWS // G) tokens taking one row per q_block.
-    row_pages:   [R, P] int64 the pages holding each row's keys 0..kv_len-1 (pages past the
-                 row's last position: 0, and zeroed when read).
+    row_pages:   [R, P] int64 the pages holding each row's keys 0..kv_len-1; pages past
+                 the row's last position repeat the row's first page, so a row reads only
+                 its own slot's pages (their keys meet a zero probability).
     token_index: [T] int64 grid cell ``row * max_q + i`` of each token, or None when every
                  token is its own row in token order (a pure decode step: no scatter).
     max_q:       queries per grid row, min(most tokens of one slot, q_block).
@@ -68,9 +69,6 @@ class VarlenPlan:
                  where the key lies past its position.
     first_page:  p when P == 1 and row_pages is p, p+1, ..., p+R-1: the keys are then a view
                  of the cache, without a gather copy; else None.
-    key_valid:   [R, L] bool, keys at or before the row's last position (P > 1 only).
-    masked_from: the first key position some row does not see (P > 1 only; keys before it
-                 are visible to every row, so only the ragged tail needs masking).
     num_tokens:  T.
     """
 
@@ -82,8 +80,6 @@ class VarlenPlan:
     groups: int
     bias: torch.Tensor
     first_page: int | None
-    key_valid: torch.Tensor | None
-    masked_from: int | None
     num_tokens: int
 
 
@@ -141,19 +137,19 @@ def plan_varlen(marker: torch.Tensor, groups: int, k_cache: torch.Tensor,
     bias = bias.reshape(r, 1, groups * max_q, kv_len)
     n_pages = -(-kv_len // page_size)
     row_pages = page_table[row_slots, :n_pages].long()
-    first_page, key_valid, masked_from = None, None, None
+    first_page = None
     if n_pages == 1:
         first = int(row_pages[0, 0])
         if bool((row_pages[:, 0] == torch.arange(first, first + r, device=device)).all()):
             first_page = first
     else:
+        # The table may not name pages past a row's last position (or name another
+        # request's): read the row's own first page there instead.
         row_last = pos_grid.view(r, max_q).amax(dim=1)
         needed = torch.arange(n_pages, device=device) <= (row_last // page_size)[:, None]
-        row_pages = row_pages.masked_fill(~needed, 0)
-        key_valid = keys <= row_last[:, None]
-        masked_from = int(row_last.min()) + 1
+        row_pages = torch.where(needed, row_pages, row_pages[:, :1])
     return VarlenPlan(row_slots, row_pages, token_index, max_q, kv_len, groups, bias,
-                      first_page, key_valid, masked_from, t)
+                      first_page, t)
 
 
 def varlen_attention(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tensor,
@@ -225,9 +221,10 @@ def varlen_attention_reference(q: torch.Tensor, marker: torch.Tensor, k_cache: t
     attention: the step's tokens laid out on ``plan``'s grid, two matmuls in q's dtype and a
     float32 softmax (see the module docstring for why this form).
 
-    Unlike the kernel, it reads the whole KV_BLOCK-padded key range: entries of a slot's
-    last needed page past its last position meet a zero probability and must be finite
-    (``KVCache`` zero-fills); pages past that one are zeroed when read, whatever they hold.
+    Unlike the kernel, it reads the whole KV_BLOCK-padded key range, always from the row's
+    own pages (``VarlenPlan.row_pages``): entries past a row's last position meet a zero
+    probability and must be finite (``KVCache`` zero-fills and only ever writes the model's
+    keys and values), since 0 * NaN would poison the row.
 
     Args:
         plan: ``plan_varlen(marker, Hq // Hkv, k_cache, page_table)``, to share one step's
@@ -290,13 +287,7 @@ def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
     # final [R, Hkv, P * page_size, D] layout (the reshape is a view of KVCache's storage).
     blocks = plan.row_pages[:, None, :] * hkv + torch.arange(hkv, device=cache.device)[:, None]
     keys = heads_first.reshape(-1, page_size, d).index_select(0, blocks.reshape(-1))
-    keys = keys.view(r, hkv, -1, d)[:, :, :length]
-    # Pages past a row's last position may hold anything (the table may not even name
-    # them: those read page 0): zero the hidden keys (of the fresh copy) so they meet a
-    # finite zero probability.
-    lo = plan.masked_from
-    keys[:, :, lo:].masked_fill_(~plan.key_valid[:, None, lo:, None], 0)
-    return keys
+    return keys.view(r, hkv, -1, d)[:, :, :length]
 
 
 def _check_shapes(q, marker, k_cache, v_cache, page_table) -> None:

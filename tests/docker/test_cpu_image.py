@@ -96,7 +96,7 @@ def test_image_contents(image):
                  f"ls /cache; ls /cache/models; ls {drafters}; "
                  f"stat -c %u /cache/models/{MODEL}-v1; ls -d /src /opt/dspark-serve /wheels; "
                  "for d in /opt/venv /cache; do find $d -type f -printf '%s\\n' | "
-                 "awk '{s += $1} END {print s}'; done").stdout.split()
+                 "awk '{s += $1} END {printf \"%.0f\\n\", s}'; done").stdout.split()
     # every drafter kind the package ships (dflash, dspark, ngram ...), as in the source tree
     kinds = sorted(p.name for p in (ROOT / "dspark_serve/assets/drafters" / MODEL).iterdir()
                    if p.is_dir())

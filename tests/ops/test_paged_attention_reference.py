@@ -217,7 +217,7 @@ def test_plan_layouts():
     decode = plan([4, 0, 2], [9, 3, 3], groups=2)
     assert decode.token_index is None and decode.max_q == 1 and decode.kv_len == KV_BLOCK
     assert decode.first_page is None and decode.bias.shape == (3, 1, 2, KV_BLOCK)
-    assert decode.row_pages.tolist() == [[4], [0], [2]] and decode.key_valid is None
+    assert decode.row_pages.tolist() == [[4], [0], [2]]
     assert plan([0], [KV_BLOCK], 1).kv_len == 2 * KV_BLOCK
     assert plan([0], [3], 1, max_len=10).kv_len == 10
     full = plan([2], [KV_BLOCK - 1], groups=3)
@@ -234,12 +234,29 @@ def test_plan_layouts():
     assert long.max_q == 10 and long.row_slots.tolist() == [2, 5, 5, 5]
     assert long.token_index[:25].tolist() == list(range(10, 35))
     assert long.token_index[25] == 0 and long.bias.shape == (4, 1, 30, KV_BLOCK)
-    # Pages of 16: keys 0..63 span 4 pages; pages past a row's last position read page 0.
+    # Pages of 16: keys 0..63 span 4 pages; pages past a row's last position (unnamed, or
+    # named but not yet written) read the row's own first page.
     k16 = torch.zeros(9, 16, 1, 4)
     table = torch.tensor([[5, 6, -1, -1], [7, 8, 1, 2]])
     paged = plan_varlen(_marker(torch.tensor([0, 1]), torch.tensor([17, 40])), 1, k16, table)
-    assert paged.row_pages.tolist() == [[5, 6, 0, 0], [7, 8, 1, 0]]
-    assert paged.key_valid.sum(1).tolist() == [18, 41] and paged.first_page is None
+    assert paged.row_pages.tolist() == [[5, 6, 5, 5], [7, 8, 1, 7]]
+    assert paged.first_page is None
+
+
+def test_rows_read_only_their_own_pages():
+    """Non-finite entries in pages a row does not own (another request's, or pages its
+    table names past its last position) leave its output unchanged: 0 * NaN never meets it."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache = torch.randn(9, 16, 1, 4, generator=gen), torch.randn(9, 16, 1, 4,
+                                                                          generator=gen)
+    table = torch.tensor([[5, 6, -1, -1], [7, 8, 1, 2], [0, 3, 4, -1]])
+    marker = _marker(torch.tensor([0, 1, 1, 2]), torch.tensor([17, 39, 40, 44]))
+    q = torch.randn(4, 2, 4, generator=gen)
+    before = varlen_attention(q, marker, k_cache, v_cache, table)
+    for page in (0, 2, 3, 4):     # slot 2's pages, and slot 1's page past position 47
+        k_cache[page], v_cache[page] = float("nan"), float("inf")
+    after = varlen_attention(q[:3], marker[:3], k_cache, v_cache, table)
+    assert torch.equal(after, before[:3])
 
 
 @pytest.mark.parametrize("threads,trials,hkv,groups,d", [
