@@ -20,7 +20,7 @@ from dspark_serve.model.target_model import TargetModel
 from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.structured.masking import constrain_drafts
 from dspark_serve.verify.metadata import SpecMetadata
-from dspark_serve.verify.target_sampler import SamplingBatch
+from dspark_serve.verify.target_sampler import SamplingBatch, Verdict
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,11 @@ class ModelRunner:
         plan.lengths = plan.lengths.clone()
         constrain_drafts(states, plan.block.tokens, plan.block.probs, plan.lengths, uniforms)
         return time.perf_counter() - start
+
+    def observe(self, plan: StepPlan, verdict: Verdict) -> None:
+        """Hand the step's verify outcomes to the speculator (lookup survival follows them)."""
+        if self.speculator is not None and plan.block is not None:
+            self.speculator.observe(plan.lengths, verdict.num_accepted[:len(plan.decode)])
 
     def extend_context(self, updates: ContextUpdates, taps: torch.Tensor) -> None:
         """Hand the committed tokens' taps ([T, C] of the step's flat tokens) to the drafter."""

@@ -6,8 +6,9 @@ from earlier in the request's own text, one-hot draft probabilities), or both (h
 request and round, lookup where it finds a suffix match of at least ``min_match`` tokens, the
 drafter otherwise, so the drafter only runs for the rows lookup cannot serve. Every row gets
 calibrated conditional survival c_{r,k}: the drafter's from its confidence head through STS,
-c = sigmoid(z_k / T_k), a lookup row's from its match length (``calibration.lookup``), and the
-scheduler picks l_r over the one pool.
+c = sigmoid(z_k / T_k), a lookup row's from its match length (``calibration.lookup``: the
+shipped table as a prior that served outcomes keep updating, ``observe``), and the scheduler
+picks l_r over the one pool.
 
 The speculator owns the drafter's context cache (one slot per target KV slot). Committed
 tokens' target taps are projected into that cache lazily, in one batch right before the next
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dspark_serve.calibration.lookup import LookupCalibration
+from dspark_serve.calibration.lookup import LookupCalibration, OnlineLookupSurvival
 from dspark_serve.calibration.sts import calibrated_confidence
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, prompt_lookup
@@ -100,6 +101,13 @@ class Speculator:
                                         threshold=threshold, max_batch_tokens=max_batch_tokens)
         self.cache = drafter.new_cache(num_slots, max_len) if drafter is not None else None
         self.always_draft = always_draft
+        self.lookup_survival = None
+        if lookup is not None:
+            prior = (lookup.calibration.conditional if lookup.calibration is not None
+                     else [[UNCALIBRATED_LOOKUP_SURVIVAL] * gamma] * lookup.max_ngram)
+            self.lookup_survival = OnlineLookupSurvival(prior)
+        # (decoding rows lookup drafted [N], their match lengths [N]) of the last propose
+        self._lookup_rounds: tuple[np.ndarray, np.ndarray] | None = None
         # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -163,7 +171,9 @@ class Speculator:
             taken = ~by_drafter
             # lookup rows verify at most the tokens found
             caps = torch.where(taken, torch.minimum(caps, found), caps)
-            known_confidence = self._lookup_confidence(match_len) * taken[:, None]
+            known_confidence = self.lookup_survival.confidence(match_len, g) * taken[:, None]
+            rows_taken = taken.nonzero().flatten().cpu().numpy()
+            self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken])
             if self.drafter is None or not self._drafter_pays(
                     int(by_drafter.sum()), known_confidence[taken] * self._allowed(caps[taken])):
                 caps = caps * taken    # rows nobody drafts verify none
@@ -227,9 +237,16 @@ class Speculator:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
         return tokens.to(device), as_tensor(found), as_tensor(match_len)
 
-    def _lookup_confidence(self, match_len: torch.Tensor) -> torch.Tensor:
-        cal = self.lookup.calibration
-        if cal is None:
-            return torch.full((match_len.numel(), self.gamma), UNCALIBRATED_LOOKUP_SURVIVAL,
-                              device=match_len.device) * (match_len > 0)[:, None]
-        return cal.confidence(match_len, self.gamma)
+    def observe(self, lengths: torch.Tensor, num_accepted: list[int]) -> None:
+        """Count the verified outcome of the last ``propose``'s lookup rows into their
+        survival (``OnlineLookupSurvival``): lengths [R] int64 as verified (after any grammar
+        shortening), num_accepted [R] drafts accepted per row. No-op without prompt lookup."""
+        if self._lookup_rounds is None:
+            return
+        rows, match_len = self._lookup_rounds
+        self._lookup_rounds = None
+        verified = lengths.cpu().numpy()[rows]
+        accepted = np.asarray(num_accepted, dtype=np.int64)[rows]
+        keep = verified > 0
+        if keep.any():
+            self.lookup_survival.observe(match_len[keep], verified[keep], accepted[keep])

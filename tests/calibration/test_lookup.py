@@ -1,10 +1,11 @@
 """Prompt-lookup survival table: fit by hand-counted rounds, lookup by match length, file round
-trip, and the greedy replay that produces its rounds."""
+trip, the served-outcome update, and the greedy replay that produces its rounds."""
 import numpy as np
 import pytest
 import torch
 
-from dspark_serve.calibration.lookup import LookupCalibration, fit_lookup_calibration
+from dspark_serve.calibration.lookup import (LookupCalibration, OnlineLookupSurvival,
+                                             fit_lookup_calibration)
 from dspark_serve.eval.lookup_rounds import greedy_lookup_rounds
 
 
@@ -35,6 +36,25 @@ def test_confidence_by_match_length_and_file_round_trip(tmp_path):
     (tmp_path / "bad.json").write_text('{"conditional": [[1.5]]}')
     with pytest.raises(ValueError, match="values in"):
         LookupCalibration.load(tmp_path / "bad.json")
+
+
+def test_online_survival_moves_from_the_prior_to_served_outcomes():
+    online = OnlineLookupSurvival([[0.5, 0.5], [0.9, 0.8]], prior_rounds=20)
+    assert online.confidence(torch.tensor([0, 2]), 2).tolist() == [[0.0, 0.0],
+                                                                   pytest.approx([0.9, 0.8])]
+    # 10 served rounds at match 3 (pooled into the last row), 2 verified, none accepted:
+    # position 1 reached 10x accepted 0x -> (20 * 0.9 + 0) / (20 + 10); position 2 unreached
+    online.observe(np.full(10, 3), np.full(10, 2), np.zeros(10, dtype=int))
+    # 5 rounds at match 1, 1 verified and accepted: (20 * 0.5 + 5) / (20 + 5)
+    online.observe(np.ones(5, dtype=int), np.ones(5, dtype=int), np.ones(5, dtype=int))
+    c = online.confidence(torch.tensor([1, 2]), 2)
+    assert c.tolist() == [pytest.approx([15 / 25, 0.5]), pytest.approx([18 / 30, 0.8])]
+    with pytest.raises(ValueError, match="accepted <= drafted"):
+        online.observe(np.array([1]), np.array([1]), np.array([2]))
+    with pytest.raises(ValueError, match="prior_rounds"):
+        OnlineLookupSurvival([[0.5]], prior_rounds=0)
+    with pytest.raises(ValueError, match="values in"):
+        OnlineLookupSurvival([[1.5]])
 
 
 def test_greedy_rounds_walk_p_to_p_plus_n_plus_1():

@@ -1,6 +1,7 @@
 """The speculator's proposers without the real model: prompt lookup alone (rows without a
 match verify nothing), hybrid routing (the drafter drafts only the rows lookup does not take)
 and the survival pool handed to the scheduler."""
+import pytest
 import torch
 
 from dspark_serve.calibration.lookup import LookupCalibration
@@ -45,6 +46,23 @@ def test_lookup_survival_feeds_the_scheduler():
     """threshold 0.6: the match-2 row's c = 0.9, 0.8, 0.7 keeps 3; the match-1 row's 0.5 none."""
     _, lengths = propose(speculator(scheduler="threshold"))
     assert lengths.tolist() == [3, 0, 0]
+
+
+def test_lookup_survival_follows_verified_rounds():
+    """The match-2 row's drafts keep being rejected at position 1: its survival falls from the
+    table's 0.9 below the threshold (0.6) and the scheduler stops verifying it; outcomes of
+    rows lookup did not draft, or of a step without a proposal, count nothing."""
+    spec = speculator(scheduler="threshold")
+    for _ in range(11):
+        _, lengths = propose(spec)
+        assert lengths.tolist() == [3, 0, 0]
+        spec.observe(lengths, [0, 0, 0])
+    spec.observe(torch.tensor([3, 3, 3]), [3, 3, 3])           # no proposal since: ignored
+    # (20 * 0.9 + 0) / (20 + 11) < 0.6
+    assert spec.lookup_survival.confidence(torch.tensor([2]), 3)[0, 0] == \
+        pytest.approx(18 / 31)
+    _, lengths = propose(spec)
+    assert lengths.tolist() == [0, 0, 0]
 
 
 def test_hybrid_drafts_only_rows_lookup_does_not_take(monkeypatch):
