@@ -98,7 +98,9 @@ setup(
         "prometheus-client",
         "tqdm",
         "matplotlib",
-        "xgrammar>=0.2.8",   # structured outputs: grammar compilation and token masks
+        # structured outputs: grammar compilation and token masks (0.2.7: what sglang 0.5.23
+        # pins, so the [sglang] extra installs; the structured tests pass on 0.2.7-0.2.9)
+        "xgrammar>=0.2.7",
         "jsonschema",        # structured outputs: meta-schema check of response_format schemas
     ],
     extras_require={
