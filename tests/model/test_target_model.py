@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from dspark_serve.model.target_model import TargetModel
 from dspark_serve.model.target_weights import load_weights
+from dspark_serve.ops.quantized_linear import cpu_kernel
 from dspark_serve.sampling.sampler import sample_from_probs
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
@@ -361,11 +362,13 @@ def test_default_model_bfloat16_invariant_and_close(default_model, one_thread):
 
 
 @pytest.mark.slow
-def test_default_model_int4_as_close_to_float32_as_bfloat16(default_model, one_thread):
-    """``quantization="int4"`` serves the model's own Q4_1 grid: over the prompts, its
-    next-token distributions are no farther from the float32 reference than the bfloat16
-    target's (mean KL within 1.5x; measured on one prompt: 0.0016 vs 0.0022 nats) and agree
-    on the top-1 token at >= 95 % of positions."""
+def test_default_model_int4_close_to_float32(default_model, one_thread):
+    """``quantization="int4"`` serves the model's own Q4_1 grid. With torch's int4 kernel
+    (bfloat16 activations) its next-token distributions are no farther from the float32
+    reference than the bfloat16 target's (mean KL within 1.5x; measured on one prompt: 0.0016
+    vs 0.0022 nats). With our AVX512-VNNI kernel the activations are quantized to int8 per
+    group of 32 as in llama.cpp (measured over these prompts: 0.0085 vs 0.0023 nats), within
+    5x and 0.02 nats. Both agree with float32 on the top-1 token at >= 95 % of positions."""
     path, hf, prompts = default_model
     kl = {}
     for quantization in ("none", "int4"):
@@ -383,4 +386,7 @@ def test_default_model_int4_as_close_to_float32_as_bfloat16(default_model, one_t
             count += n
         kl[quantization] = total / count
         assert agree / count >= 0.95, (quantization, agree / count)
-    assert kl["int4"] <= 1.5 * kl["none"], kl
+    if cpu_kernel() is None:
+        assert kl["int4"] <= 1.5 * kl["none"], kl
+    else:
+        assert kl["int4"] <= min(5 * kl["none"], 0.02), kl

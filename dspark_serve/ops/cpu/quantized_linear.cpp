@@ -1,0 +1,488 @@
+// Quantized linear layers for CPU decode steps: y[M, N] = x[M, K] @ W[N, K]^T with W in groups
+// of 32 weights per row, 4-bit (GGUF Q4_1's grid: w = d * q + m, q in 0..15) or 8-bit (Q8_0's:
+// w = d * q, q in -127..127), one float16 d (and m) per group, and x quantized per row and
+// group of 32 to int8 (x ~ dx * qx, qx = round(x / dx), dx = max |x| / 127: GGUF Q8_1's rule,
+// what llama.cpp multiplies these weights by). Integer dot products (AVX512-VNNI vpdpbusd) over
+// a group, then per group in float32:
+//   4-bit: y[r, n] += (d[n, g] dx[r, g]) sum_k q[n, k] qx[r, k] + m[n, g] (dx[r, g] sum_k qx[r, k])
+//   8-bit: y[r, n] += (d[n, g] dx[r, g]) sum_k q[n, k] qx[r, k]
+// Why: torch's int4 CPU kernel converts every weight to floating point for every 4 rows, so a
+// verify block of 8 tokens costs 3x one token; here a weight block is unpacked once per 8 rows
+// and each row adds 8 vpdpbusd per 512 weights, so the cost grows slowly with the rows (the
+// premise of speculative decoding: verifying gamma + 1 tokens costs about as much as one).
+// Row invariance: a row's output depends on that row only (its own quantization, exact integer
+// sums, float32 updates in group order), whatever the row and thread counts.
+// PyTorch reference and packing: dspark_serve/ops/quantized_linear.py.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kGroup = 32;   // weights per scale pair (and activations per int8 scale)
+constexpr int kLanes = 16;   // output channels per block (one zmm of int32 / float32)
+constexpr int kRowTile = 8;  // rows sharing one unpacked weight block
+
+#define DSPARK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
+
+// x [M, K] float32 -> qx [M, K] int8, dx [M, G] (scale), sx [M, G] (dx * sum of qx).
+DSPARK_AVX512 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx,
+                                 float* sx) {
+  const int64_t G = K / kGroup;
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* src = x + r * K + g * kGroup;
+      __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+      float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      float d = amax / 127.0f;
+      __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // round to nearest even
+      __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      int8_t* dst = qx + r * K + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+      int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      dx[r * G + g] = d;
+      sx[r * G + g] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+DSPARK_AVX512 inline __m512 load_bf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// e^x for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial
+// (relative error < 2e-7), times 2^n; inputs below -104 give 0 (softmax tails, SiLU).
+DSPARK_AVX512 inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Rows [r0, r0 + MT) of output block nb (16 channels), 4-bit weights (Q4_1 grid).
+template <int MT>
+DSPARK_AVX512 void q4_rows(const uint8_t* packed, const uint16_t* scales, const int32_t*,
+                           const int8_t* qx, const float* dx, const float* sx, int64_t nb,
+                           int64_t r0, int64_t G, int64_t K, int64_t N, float* y) {
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wb = packed + (nb * G + g) * (kLanes * kGroup / 2);
+    const uint16_t* sb = scales + (nb * G + g) * (2 * kLanes);
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kLanes)));
+    __m512i w[8];
+    for (int u = 0; u < 4; ++u) {
+      __m512i p = _mm512_loadu_si512(wb + 64 * u);
+      w[2 * u] = _mm512_and_si512(p, low4);
+      w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+    }
+    for (int r = 0; r < MT; ++r) {
+      const int8_t* xq = qx + (r0 + r) * K + g * kGroup;
+      // two accumulation chains: vpdpbusd's latency, not its throughput, bounds a few rows
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        int32_t quad[2];
+        std::memcpy(quad, xq + 4 * t, 8);
+        even = _mm512_dpbusd_epi32(even, w[t], _mm512_set1_epi32(quad[0]));
+        odd = _mm512_dpbusd_epi32(odd, w[t + 1], _mm512_set1_epi32(quad[1]));
+      }
+      const __m512i isum = _mm512_add_epi32(even, odd);
+      const int64_t rg = (r0 + r) * G + g;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])),
+                               acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[rg]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + (r0 + r) * N + nb * kLanes, acc[r]);
+}
+
+// The same for 8-bit weights (GGUF Q8_0's grid: w = d * q, q in -127..127). vpdpbusd takes
+// unsigned x signed bytes, so the activations enter as qx + 128 (their sign bits flipped once
+// by ``qlinear``) and the exact integer correction 128 * sum_k q[n, k] (``corr``, per block and
+// channel) is taken off.
+template <int MT>
+DSPARK_AVX512 void q8_rows(const uint8_t* packed, const uint16_t* scales, const int32_t* corr,
+                           const int8_t* qx, const float* dx, const float*, int64_t nb,
+                           int64_t r0, int64_t G, int64_t K, int64_t N, float* y) {
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* wb = packed + (nb * G + g) * (kLanes * kGroup);
+    __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (nb * G + g) * kLanes)));
+    __m512i c = _mm512_loadu_si512(corr + (nb * G + g) * kLanes);
+    __m512i w[8];
+    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(wb + 64 * t);
+    for (int r = 0; r < MT; ++r) {
+      const int8_t* xq = qx + (r0 + r) * K + g * kGroup;
+      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+      for (int t = 0; t < 8; t += 2) {
+        int32_t quad[2];
+        std::memcpy(quad, xq + 4 * t, 8);
+        even = _mm512_dpbusd_epi32(even, _mm512_set1_epi32(quad[0]), w[t]);
+        odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(quad[1]), w[t + 1]);
+      }
+      const __m512i isum = _mm512_add_epi32(even, odd);
+      const int64_t rg = (r0 + r) * G + g;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, c)),
+                               _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + (r0 + r) * N + nb * kLanes, acc[r]);
+}
+
+using RowsFn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const int8_t*,
+                        const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                        float*);
+
+template <int Bits, int... Ms>
+RowsFn rows_fn(int64_t mt, std::integer_sequence<int, Ms...>) {
+  RowsFn fn = nullptr;
+  ((mt == Ms + 1 ? (fn = Bits == 4 ? &q4_rows<Ms + 1> : &q8_rows<Ms + 1>) : nullptr), ...);
+  return fn;
+}
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// A quantized weight as Python passes it: (packed, scales, corr, bits), layouts as in
+// dspark_serve/ops/quantized_linear.py (QuantizedWeight).
+using QTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
+
+struct QWeight {
+  const uint8_t* packed;
+  const uint16_t* scales;
+  const int32_t* corr;
+  int64_t bits, N, K, G;
+};
+
+QWeight check_weight(const QTuple& w, const char* name) {
+  const auto& [packed, scales, corr, bits] = w;
+  TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8, got ", bits);
+  const int64_t NB = packed.size(0), G = packed.size(1), quads = bits == 4 ? 4 : 8;
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous() && packed.sizes() == at::IntArrayRef({NB, G, quads, kLanes, 4}),
+              name, ": packed must be contiguous uint8 [N / 16, K / 32, ", quads, ", 16, 4]");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
+                  scales.numel() == NB * G * kLanes * (bits == 4 ? 2 : 1),
+              name, ": scales must be contiguous float16, one (bits 8) or two (bits 4) per group");
+  TORCH_CHECK(bits == 4 || (corr.scalar_type() == at::kInt && corr.is_contiguous() &&
+                            corr.numel() == NB * G * kLanes),
+              name, ": corr must be contiguous int32 [N / 16, K / 32, 16]");
+  return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+          bits == 8 ? corr.data_ptr<int32_t>() : nullptr, bits, NB * kLanes, G * kGroup, G};
+}
+
+// y [M, N] float32 = x [M, K] float32 @ W^T (+ bias [N] bfloat16).
+void qlinear(const float* x, int64_t M, const QWeight& w, const at::Tensor* bias, float* y) {
+  const int64_t K = w.K, G = w.G, N = w.N, NB = N / kLanes;
+  std::vector<int8_t> qx(M * K);
+  std::vector<float> dx(M * G), sx(M * G);
+  quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
+  if (w.bits == 8)
+    for (auto& v : qx) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // qx + 128
+  const auto tiles = std::make_integer_sequence<int, kRowTile>{};
+  RowsFn full = w.bits == 4 ? rows_fn<4>(kRowTile, tiles) : rows_fn<8>(kRowTile, tiles);
+  const int64_t rest = M % kRowTile;
+  RowsFn last = rest == 0 ? nullptr : w.bits == 4 ? rows_fn<4>(rest, tiles) : rows_fn<8>(rest, tiles);
+  // Threads split the output channels, so each output is computed by one thread in one order.
+  at::parallel_for(0, NB, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      int64_t r0 = 0;
+      for (; r0 + kRowTile <= M; r0 += kRowTile)
+        full(w.packed, w.scales, w.corr, qx.data(), dx.data(), sx.data(), nb, r0, G, K, N, y);
+      if (last != nullptr)
+        last(w.packed, w.scales, w.corr, qx.data(), dx.data(), sx.data(), nb, r0, G, K, N, y);
+    }
+  });
+  if (bias != nullptr) {
+    const auto* b = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = 0; n < N; ++n) y[r * N + n] += bf16_to_float(b[n]);
+  }
+}
+
+void check_bias(const std::optional<at::Tensor>& bias, int64_t n, const char* name) {
+  TORCH_CHECK(!bias || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                        bias->numel() == n),
+              name, " bias must be contiguous bfloat16 [", n, "]");
+}
+
+}  // namespace
+
+// y [M, N] bfloat16 = x [M, K] bfloat16 @ W^T.
+at::Tensor quantized_linear(const at::Tensor& x, const QTuple& weight) {
+  TORCH_CHECK(cpu_supported(), "quantized_linear needs AVX512-VNNI");
+  const QWeight w = check_weight(weight, "weight");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() == 2,
+              "x must be a 2-D bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " columns, the weight ", w.K);
+  const int64_t M = x.size(0);
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor yf = at::empty({M, w.N}, xf.options());
+  if (M > 0) qlinear(xf.data_ptr<float>(), M, w, nullptr, yf.data_ptr<float>());
+  return yf.to(at::kBFloat16);
+}
+
+namespace {
+
+// out [H] float32 = x / rms(x) * weight (x float32; the statistic in float32; H % 16 == 0).
+DSPARK_AVX512 void rms_norm_row(const float* x, const uint16_t* weight, int64_t H, float eps,
+                                float* out) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < H; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / H + eps));
+  for (int64_t i = 0; i < H; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), inv),
+                                            load_bf16(weight + i)));
+}
+
+// The G query heads of one token that share KV head kvh, against keys 0..pos of its slot.
+// q: [G, D] float32 (contiguous heads); scores: scratch of G * (pos + 16) floats; out: [G, D].
+// Each key is read and converted once for the G heads; pages are walked in order.
+template <int D>
+DSPARK_AVX512 void attend(const float* q, int64_t G, const uint16_t* k_cache,
+                          const uint16_t* v_cache, const int64_t* pages, int64_t pos, int64_t kvh,
+                          int64_t Hkv, int64_t page_size, float scale, float* scores, float* out) {
+  constexpr int C = D / 16;
+  const int64_t n = pos + 1, stride = n + 16;
+  float top[16];
+  for (int64_t g = 0; g < G; ++g) top[g] = -INFINITY;
+  for (int64_t j0 = 0; j0 < n; j0 += page_size) {
+    const uint16_t* kp = k_cache + (pages[j0 / page_size] * Hkv + kvh) * page_size * D;
+    for (int64_t j = j0; j < std::min(n, j0 + page_size); ++j, kp += D) {
+      __m512 k[C];
+      for (int c = 0; c < C; ++c) k[c] = load_bf16(kp + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (int c = 0; c < C; c += 2) {
+          acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), k[c], acc0);
+          acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c + 16), k[c + 1], acc1);
+        }
+        const float sc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) * scale;
+        scores[g * stride + j] = sc;
+        top[g] = std::max(top[g], sc);
+      }
+    }
+  }
+  float inv[16];
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * stride;
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), _mm512_set1_ps(top[g])));
+      e = _mm512_maskz_mov_ps(m, e);
+      _mm512_mask_storeu_ps(sg + j, m, e);
+      total = _mm512_add_ps(total, e);
+    }
+    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + 16 * c, _mm512_setzero_ps());
+  for (int64_t j0 = 0; j0 < n; j0 += page_size) {
+    const uint16_t* vp = v_cache + (pages[j0 / page_size] * Hkv + kvh) * page_size * D;
+    for (int64_t j = j0; j < std::min(n, j0 + page_size); ++j, vp += D) {
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load_bf16(vp + 16 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * stride + j] * inv[g]);
+        float* o = out + g * D;
+        for (int c = 0; c < C; ++c)
+          _mm512_storeu_ps(o + 16 * c, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o + 16 * c)));
+      }
+    }
+  }
+}
+
+// out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate, then up; I % 16 == 0).
+DSPARK_AVX512 void silu_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = gate_up + t * 2 * I;
+    for (int64_t i = 0; i < I; i += 16) {
+      __m512 x = _mm512_loadu_ps(g + i);
+      __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+      _mm512_storeu_ps(out + t * I + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(g + I + i)));
+    }
+  }
+}
+
+}  // namespace
+
+// One Llama / Qwen2 decoder layer over T flat tokens with quantized projections (the int4 fast
+// path of dspark_serve/model/target_model.py, same contract as its Python layer loop):
+// h [T, H] bfloat16 -> new h [T, H] bfloat16, writing the tokens' keys and values into this
+// layer's cache k_cache / v_cache [num_pages, Hkv, page_size, D] bfloat16 at
+// page_table[slot, position / page_size], position % page_size, then attending causally over
+// positions 0..position of each token's slot. cos, sin: [T, D / 2] float32 RoPE factors
+// (attention scaling included). Norms, RoPE, softmax, SiLU and the residual stream in float32;
+// keys, values and the returned h rounded to bfloat16. Every token is computed on its own.
+at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
+                         const at::Tensor& post_norm, double eps, const QTuple& qkv,
+                         const std::optional<at::Tensor>& qkv_bias, const QTuple& o_proj,
+                         const std::optional<at::Tensor>& o_bias, const QTuple& gate_up,
+                         const std::optional<at::Tensor>& gate_up_bias, const QTuple& down,
+                         const std::optional<at::Tensor>& down_bias, const at::Tensor& cos,
+                         const at::Tensor& sin, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& page_table, const at::Tensor& slots,
+                         const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads,
+                         double scale) {
+  TORCH_CHECK(cpu_supported(), "decoder_layer needs AVX512-VNNI");
+  const QWeight wqkv = check_weight(qkv, "qkv"), wo = check_weight(o_proj, "o_proj"),
+                wgu = check_weight(gate_up, "gate_up"), wd = check_weight(down, "down");
+  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kBFloat16 && h.dim() == 2 &&
+                  h.is_contiguous(), "h must be a contiguous 2-D bfloat16 CPU tensor");
+  const int64_t T = h.size(0), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 &&
+                  v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(1) == Hkv,
+              "k_cache, v_cache must be contiguous bfloat16 [num_pages, Hkv, page_size, D]");
+  const int64_t page_size = k_cache.size(2), D = k_cache.size(3), I = wgu.N / 2;
+  TORCH_CHECK((D == 64 || D == 128) && H % 16 == 0,
+              "head_dim must be 64 or 128 and the hidden size a multiple of 16");
+  TORCH_CHECK(Hq / Hkv <= 16, "at most 16 query heads per KV head");
+  TORCH_CHECK(wqkv.K == H && wqkv.N == (Hq + 2 * Hkv) * D && wo.K == Hq * D && wo.N == H &&
+                  wgu.K == H && wd.K == I && wd.N == H && I % 16 == 0,
+              "projection shapes do not fit the layer");
+  check_bias(qkv_bias, wqkv.N, "qkv");
+  check_bias(o_bias, H, "o_proj");
+  check_bias(gate_up_bias, wgu.N, "gate_up");
+  check_bias(down_bias, H, "down");
+  TORCH_CHECK(input_norm.scalar_type() == at::kBFloat16 && input_norm.numel() == H &&
+                  post_norm.scalar_type() == at::kBFloat16 && post_norm.numel() == H &&
+                  input_norm.is_contiguous() && post_norm.is_contiguous(),
+              "norm weights must be contiguous bfloat16 [H]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == at::IntArrayRef({T, D / 2}) && sin.sizes() == cos.sizes(),
+              "cos, sin must be contiguous float32 [T, D / 2]");
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.is_contiguous() &&
+                  page_table.dim() == 2 && slots.scalar_type() == at::kLong &&
+                  positions.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  positions.is_contiguous() && slots.numel() == T && positions.numel() == T,
+              "page_table [S, P], slots [T], positions [T] must be contiguous int64");
+  const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
+  const auto* in_w = reinterpret_cast<const uint16_t*>(input_norm.data_ptr());
+  const auto* post_w = reinterpret_cast<const uint16_t*>(post_norm.data_ptr());
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* ps = positions.data_ptr<int64_t>();
+  const int64_t max_pages = page_table.size(1), num_pages = k_cache.size(0);
+  // Every page a token reads (0..position of its slot) must exist.
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < page_table.size(0) && ps[t] >= 0 &&
+                    ps[t] < max_pages * page_size, "token ", t, ": slot or position out of range");
+    for (int64_t j = 0; j <= ps[t] / page_size; ++j) {
+      const int64_t page = pt[sl[t] * max_pages + j];
+      TORCH_CHECK(page >= 0 && page < num_pages, "token ", t, ": page ", page, " out of range");
+    }
+  }
+
+  std::vector<float> resid(T * H), x(T * H), q(T * wqkv.N), attn(T * Hq * D), gu(T * wgu.N),
+      act(T * I), proj(T * H);
+  for (int64_t i = 0; i < T * H; ++i) resid[i] = bf16_to_float(hp[i]);
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(&resid[t * H], in_w, H, eps, &x[t * H]);
+  qlinear(x.data(), T, wqkv, qkv_bias ? &*qkv_bias : nullptr, q.data());
+  // RoPE on the query and key heads, then the keys and values into the cache.
+  auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+  auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = &q[t * wqkv.N];
+    for (int64_t head = 0; head < Hq + Hkv; ++head) {
+      float* v = row + head * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = v[i], b = v[i + half], c = cp[t * half + i], s = sp[t * half + i];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+      }
+    }
+    const int64_t page = pt[sl[t] * max_pages + ps[t] / page_size];
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      const int64_t dst = ((page * Hkv + kvh) * page_size + ps[t] % page_size) * D;
+      const float* kr = row + (Hq + kvh) * D;
+      const float* vr = row + (Hq + Hkv + kvh) * D;
+      for (int64_t i = 0; i < D; ++i) {
+        kc[dst + i] = float_to_bf16(kr[i]);
+        vc[dst + i] = float_to_bf16(vr[i]);
+      }
+    }
+  }
+  const int64_t groups = Hq / Hkv;
+  int64_t longest = 0;
+  for (int64_t t = 0; t < T; ++t) longest = std::max(longest, ps[t] + 1);
+  auto attend_fn = D == 64 ? &attend<64> : &attend<128>;
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * (longest + 16));
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / Hkv, kvh = i % Hkv;
+      attend_fn(&q[t * wqkv.N + kvh * groups * D], groups, kc, vc, pt + sl[t] * max_pages, ps[t],
+                kvh, Hkv, page_size, static_cast<float>(scale), scores.data(),
+                &attn[(t * Hq + kvh * groups) * D]);
+    }
+  });
+  qlinear(attn.data(), T, wo, o_bias ? &*o_bias : nullptr, proj.data());
+  for (int64_t i = 0; i < T * H; ++i) resid[i] += proj[i];
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(&resid[t * H], post_w, H, eps, &x[t * H]);
+  qlinear(x.data(), T, wgu, gate_up_bias ? &*gate_up_bias : nullptr, gu.data());
+  silu_mul(gu.data(), T, I, act.data());
+  qlinear(act.data(), T, wd, down_bias ? &*down_bias : nullptr, proj.data());
+  at::Tensor out = at::empty({T, H}, h.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t i = 0; i < T * H; ++i) op[i] = float_to_bf16(resid[i] + proj[i]);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &cpu_supported, "whether this CPU has the instructions the kernels need");
+  m.def("quantized_linear", &quantized_linear,
+        "y = x @ W^T, W in 4- or 8-bit groups of 32, x quantized to int8 per group of 32");
+  m.def("decoder_layer", &decoder_layer, "one decoder layer with quantized projections");
+}

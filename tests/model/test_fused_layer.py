@@ -1,0 +1,149 @@
+"""The int4 fast path: decoder layers as one compiled call each (``TargetModel._fused``), on
+tiny random models whose shapes it takes (head_dim 64), against the Python layer loop over the
+same quantized projections and against transformers in float32."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from dspark_serve.model.linear import QuantizedLinear
+from dspark_serve.model.target_model import TargetModel
+from dspark_serve.ops.quantized_linear import cpu_kernel
+from tests.model.test_target_model import hf_logits, plain_decode
+
+pytestmark = pytest.mark.skipif(cpu_kernel() is None,
+                                reason="no AVX512-VNNI CPU or no C++ toolchain for the kernel")
+
+FUSABLE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+               max_position_embeddings=1024)
+
+
+def tiny(config_cls, seed=0, **extra):
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config_cls(**FUSABLE, **extra)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return hf
+
+
+def int4_pair(hf):
+    """(fused model, the same weights through the Python layer loop)."""
+    fused = TargetModel.from_hf(hf.to(torch.bfloat16), quantization="int4")
+    loop = TargetModel(fused.weights, fused.config)
+    loop._fused = None
+    return fused, loop
+
+
+@pytest.mark.parametrize("config_cls", [LlamaConfig, Qwen2Config])
+def test_fused_layers_match_the_python_loop(config_cls):
+    """Same projections, float32 norms / RoPE / attention in between instead of bfloat16: the
+    fused logits are as close to transformers' float32 logits as the loop's (Qwen2: q/k/v
+    biases included)."""
+    hf = tiny(config_cls)
+    reference = [hf_logits(hf, seq) for seq in ([5, 17, 3, 88, 40, 1, 2], list(range(30, 90)))]
+    fused, loop = int4_pair(hf)
+    assert fused._fused is not None and isinstance(fused.weights.head, QuantizedLinear)
+    if config_cls is Qwen2Config:
+        assert fused.weights.layers[0].qkv.bias is not None
+    for ref, seq in zip(reference, ([5, 17, 3, 88, 40, 1, 2], list(range(30, 90)))):
+        errors = {}
+        for name, model in (("fused", fused), ("loop", loop)):
+            cache = model.new_kv_cache(1, 128)
+            slot = cache.allocate()
+            n = len(seq)
+            logits = model.forward(torch.tensor(seq), torch.full((n,), slot), torch.arange(n),
+                                   cache).logits
+            errors[name] = float((logits - ref).abs().mean())
+        assert errors["fused"] <= 1.2 * errors["loop"] + 0.01, errors
+
+
+def test_fused_logits_do_not_depend_on_batching():
+    """A token's logits have the same bits decoded alone, chunk-prefilled next to other
+    requests' decode tokens, or verified inside one block: greedy speculative decoding on
+    the int4 target reproduces its plain decoding."""
+    fused, _ = int4_pair(tiny(LlamaConfig, seed=1))
+    prompts = [[5, 17, 3, 88, 40], list(range(20, 33)), [9, 2]]
+    outs, logits, _ = plain_decode(fused, prompts, 16, chunk=3, num_slots=3)
+    alone_outs, alone_logits, _ = plain_decode(fused, prompts, 16, chunk=64, num_slots=1)
+    assert outs == alone_outs
+    cache = fused.new_kv_cache(1, 128)
+    slot = cache.allocate()
+    for prompt, out, mixed, alone in zip(prompts, outs, logits, alone_logits):
+        assert torch.equal(mixed, alone)
+        seq = prompt + out[:-1]
+        block = fused.forward(torch.tensor(seq), torch.full((len(seq),), slot),
+                              torch.arange(len(seq)), cache).logits
+        assert torch.equal(block, mixed)
+
+
+def test_fused_logits_do_not_depend_on_the_page_layout():
+    """Interleaved pages of a pool (the kernel walks each slot's page table) give the logits
+    of one page per slot, bit for bit, and the cache holds the same keys at the same
+    positions."""
+    fused, _ = int4_pair(tiny(LlamaConfig, seed=2))
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (300,), generator=gen) for _ in range(2)]
+
+    def run(cache):
+        slots = [cache.allocate(1), cache.allocate(1)]
+        out = []
+        for start, end in [(0, 100), (100, 101), (101, 108), (108, 300)]:
+            for s in slots:
+                assert cache.reserve(s, end)
+            ids = torch.cat([seq[start:end] for seq in seqs])
+            positions = torch.arange(start, end).repeat(2)
+            out.append(fused.forward(ids, torch.tensor(slots).repeat_interleave(end - start),
+                                     positions, cache).logits)
+        return torch.cat(out), [cache.pages_of(s) for s in slots]
+
+    contiguous, _ = run(fused.new_kv_cache(2, 320))
+    paged, pages = run(fused.new_kv_cache(2, 320, num_tokens=640))
+    assert pages == [[0, 2, 4, 5, 6], [1, 3, 7, 8, 9]]
+    assert torch.equal(paged, contiguous)
+
+
+def test_models_the_fused_layer_cannot_take_use_the_loop():
+    """head_dim 32 (not 64 / 128): int4 projections, Python loop."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**FUSABLE, "head_dim": 32})
+    model = TargetModel.from_hf(AutoModelForCausalLM.from_config(config).eval()
+                                .to(torch.bfloat16), quantization="int4")
+    assert model._fused is None and isinstance(model.weights.layers[0].qkv, QuantizedLinear)
+    cache = model.new_kv_cache(1, 64)
+    slot = cache.allocate()
+    logits = model.forward(torch.tensor([1, 2, 3]), torch.full((3,), slot), torch.arange(3),
+                           cache).logits
+    assert logits.shape == (3, 96) and torch.isfinite(logits).all()
+
+
+def test_decoder_layer_rejects_bad_inputs():
+    fused, _ = int4_pair(tiny(LlamaConfig))
+    w, layer = fused.weights, fused.weights.layers[0]
+    cache = fused.new_kv_cache(1, 64)
+    slot = cache.allocate()
+    positions = torch.tensor([0, 1])
+    cos = torch.ones(2, 32)
+    args = dict(h=torch.zeros(2, 128, dtype=torch.bfloat16), cos=cos, sin=cos,
+                table=cache.page_table.long(), slots=torch.full((2,), slot), positions=positions)
+
+    def call(**changes):
+        a = {**args, **changes}
+        return fused._fused(a["h"], layer.input_norm, layer.post_norm, w.eps,
+                            layer.qkv.quantized.kernel_args, None,
+                            layer.o_proj.quantized.kernel_args, None,
+                            layer.gate_up.quantized.kernel_args, None,
+                            layer.down.quantized.kernel_args, None, a["cos"], a["sin"],
+                            cache.k[0], cache.v[0], a["table"], a["slots"], a["positions"],
+                            w.num_heads, w.num_kv_heads, w.scale)
+
+    assert call().shape == (2, 128)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        call(h=torch.zeros(2, 128))
+    with pytest.raises(RuntimeError, match="cos, sin"):
+        call(cos=torch.ones(2, 16))
+    with pytest.raises(RuntimeError, match="out of range"):
+        call(positions=torch.tensor([0, 64]))
+    with pytest.raises(RuntimeError, match="int64"):
+        call(slots=torch.full((2,), slot, dtype=torch.int32))
