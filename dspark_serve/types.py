@@ -56,12 +56,14 @@ class DraftBlock:
     """One drafting round for R requests (paper Eq 4, 7).
 
     tokens:      [R, gamma] int64 draft tokens x_1..x_gamma, sampled left to right.
-    probs:       [R, gamma, V] float32 warped draft distributions p_d the tokens were sampled from.
+    probs:       [R, gamma, V] float32 warped draft distributions p_d the tokens were sampled from,
+                 or None when every row is one-hot at its tokens (prompt lookup; built only if
+                 a consumer needs it: ``dense_draft_probs``).
     conf_logits: [R, gamma] float32 raw confidence-head logits (uncalibrated; zeros without a head).
     """
 
     tokens: torch.Tensor
-    probs: torch.Tensor
+    probs: torch.Tensor | None
     conf_logits: torch.Tensor
 
 
@@ -78,3 +80,11 @@ class VerifyResult:
     num_accepted: torch.Tensor
     tokens: torch.Tensor
     num_tokens: torch.Tensor
+
+
+def dense_draft_probs(tokens: torch.Tensor, probs: torch.Tensor | None,
+                      vocab_size: int) -> torch.Tensor:
+    """probs, or for None the one-hot distributions [R, gamma, V] float32 at tokens [R, gamma]."""
+    if probs is not None:
+        return probs
+    return torch.nn.functional.one_hot(tokens, vocab_size).to(torch.float32)

@@ -71,14 +71,16 @@ class StepPlan:
 
     def verify_drafts(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft tokens [R_v, gamma] int64 and probs [R_v, gamma, V] float32 of the verify rows
-        (zeros for completed prompts, which verify nothing)."""
+        (zeros for completed prompts, which verify nothing); probs None = one-hot at the
+        tokens (``DraftBlock.probs``)."""
         extra = len(self.prefill_done)
         if self.block is None:
             return (torch.zeros(len(self.decode) + extra, 0, dtype=torch.int64, device=device),
                     None)
         tokens = torch.cat([self.block.tokens, self.block.tokens.new_zeros(extra, self.gamma)])
         probs = self.block.probs
-        probs = torch.cat([probs, probs.new_zeros(extra, *probs.shape[1:])])
+        if probs is not None and extra:
+            probs = torch.cat([probs, probs.new_zeros(extra, *probs.shape[1:])])
         return tokens, probs
 
 

@@ -8,6 +8,7 @@ tokens' target taps go back into the drafter's context through ``ContextUpdates`
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.model.target_model import TargetModel
 from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.structured.masking import constrain_drafts
+from dspark_serve.types import dense_draft_probs
 from dspark_serve.verify.metadata import SpecMetadata
 from dspark_serve.verify.target_sampler import SamplingBatch, Verdict
 
@@ -122,6 +124,9 @@ class ModelRunner:
         if self.mask_drafts:
             uniforms = draw_uniforms(batch.generators[:len(plan.decode)], plan.gamma, self.device)
         plan.lengths = plan.lengths.clone()
+        # the grammar masks and renormalises the draft distributions in place
+        plan.block = dataclasses.replace(plan.block, probs=dense_draft_probs(
+            plan.block.tokens, plan.block.probs, self.target.weights.vocab_size))
         constrain_drafts(states, plan.block.tokens, plan.block.probs, plan.lengths, uniforms)
         return time.perf_counter() - start
 

@@ -32,7 +32,7 @@ from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, prompt_lookup
 from dspark_serve.scheduling import AsyncScheduler, make_scheduler
 from dspark_serve.scheduling.cost_table import CostTable
-from dspark_serve.types import DraftBlock, SamplingTensors
+from dspark_serve.types import DraftBlock, SamplingTensors, dense_draft_probs
 
 # Survival of a lookup draft without a calibration file: a guess between the measured
 # position-1 acceptance of SmolLM2 lookup (0.53) and later positions (0.85-0.93).
@@ -193,12 +193,13 @@ class Speculator:
                     torch.cuda.synchronize(device)
                 observe(rows.numel(), time.perf_counter() - start)
         if block is None or rows.numel() < r:
-            # lookup rows one-hot, drafter rows copied in: [R, gamma, V] only when mixing
+            # lookup rows one-hot (probs None: built only where needed), drafter rows copied
+            # in: [R, gamma, V] only when mixing
             tokens = lookup_tokens.masked_fill(~taken[:, None], 0)
-            probs = torch.nn.functional.one_hot(tokens, self.vocab_size).float()
-            probs[~taken] = 0.0
+            probs = None
             conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
             if block is not None:
+                probs = dense_draft_probs(tokens, None, self.vocab_size)
                 tokens[rows], probs[rows] = block.tokens, block.probs
                 conf_logits[rows] = block.conf_logits
             block = DraftBlock(tokens, probs, conf_logits)

@@ -26,7 +26,8 @@ class SpecMetadata:
     logit_rows:     [N] int64 verify row r of each logit row.
     logit_cols:     [N] int64 block position j (0..l_r) of each logit row.
     drafts:         [R, gamma] int64 draft tokens (zeros for rows with l = 0 by construction).
-    draft_probs:    [R, gamma, V] float32 draft distributions, or None when nothing was drafted.
+    draft_probs:    [R, gamma, V] float32 draft distributions, or None: one-hot at the drafts
+                    (prompt lookup's, or nothing drafted when gamma is 0).
     """
 
     gamma: int

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from dspark_serve.sampling.sampler import draw_uniforms
-from dspark_serve.sampling.warping import warp_probs
+from dspark_serve.sampling.warping import GREEDY_TEMPERATURE, warp_probs
 from dspark_serve.structured.compiler import GrammarState
 from dspark_serve.structured.masking import mask_logits, verify_bitmask
-from dspark_serve.types import SamplingTensors
+from dspark_serve.types import SamplingTensors, dense_draft_probs
 from dspark_serve.verify.metadata import SpecMetadata
 from dspark_serve.verify.penalties import PenaltyState, apply_penalties, block_history_counts
 from dspark_serve.verify.rejection import rejection_sample
@@ -95,17 +95,44 @@ class TargetSampler:
                                              self.vocab_size)
             logits = mask_logits(logits, bitmask, masked)
             grammar_seconds = time.perf_counter() - start
-        probs = warp_probs(logits, batch.sampling.select(rows))
-        # dense [R, gamma + 1, V] rows for rejection sampling; unused positions stay zero
-        target_probs = probs.new_zeros(meta.num_rows, g + 1, self.vocab_size)
-        target_probs[rows, meta.logit_cols] = probs
-        replay_seeded(target_probs, batch.seeds, batch.num_output, meta.lengths)
-        draft_probs = meta.draft_probs
-        if draft_probs is None:
-            draft_probs = probs.new_zeros(meta.num_rows, 0, self.vocab_size)
-        u = draw_uniforms(batch.generators, g + 1, d)
-        result = rejection_sample(target_probs, meta.drafts, draft_probs, lengths,
-                                  u[:, :g].contiguous(), u[:, g].contiguous())
-        packed = torch.cat([result.num_accepted[:, None], result.tokens], 1).tolist()
+        if bool((batch.sampling.temperature < GREEDY_TEMPERATURE).all()):
+            num_accepted, tokens = greedy_verify(logits, meta)
+        else:
+            probs = warp_probs(logits, batch.sampling.select(rows))
+            # dense [R, gamma + 1, V] rows for rejection sampling; unused positions stay zero
+            target_probs = probs.new_zeros(meta.num_rows, g + 1, self.vocab_size)
+            target_probs[rows, meta.logit_cols] = probs
+            replay_seeded(target_probs, batch.seeds, batch.num_output, meta.lengths)
+            draft_probs = dense_draft_probs(meta.drafts, meta.draft_probs, self.vocab_size)
+            u = draw_uniforms(batch.generators, g + 1, d)
+            result = rejection_sample(target_probs, meta.drafts, draft_probs, lengths,
+                                      u[:, :g].contiguous(), u[:, g].contiguous())
+            num_accepted, tokens = result.num_accepted, result.tokens
+        packed = torch.cat([num_accepted[:, None], tokens], 1).tolist()
         return Verdict([row[1:row[0] + 2] for row in packed], [row[0] for row in packed],
                        grammar_seconds)
+
+
+def greedy_verify(logits: torch.Tensor, meta: SpecMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification when every row is greedy: the target's distribution at each position is
+    one-hot at the argmax of its (processed) logits, so rejection sampling accepts a draft iff
+    it equals that argmax and draws the argmax at the first rejection or as the bonus token,
+    whatever the draft probabilities (``rejection_sample`` gives the same tokens, uniforms
+    unused). No [R, gamma + 1, V] buffers and no random draws.
+
+    Args:
+        logits: [N, V] processed target logits in ``meta`` order.
+    Returns:
+        (num_accepted [R] int64, tokens [R, gamma + 1] int64: the accepted drafts, then the
+        argmax after them; positions past it are undefined), as ``VerifyResult``.
+    """
+    g = meta.gamma
+    best = logits.new_zeros(meta.num_rows, g + 1, dtype=torch.int64)
+    best[meta.logit_rows, meta.logit_cols] = logits.argmax(dim=-1)
+    verified = torch.arange(g, device=logits.device)[None, :] < meta.verify_lengths[:, None]
+    match = (meta.drafts == best[:, :g]) & verified
+    num_accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    tokens = torch.cat([meta.drafts, best[:, -1:]], dim=1)
+    # the argmax at the first rejected position (or the bonus position) follows the accepted
+    tokens.scatter_(1, num_accepted[:, None], best.gather(1, num_accepted[:, None]))
+    return num_accepted, tokens
