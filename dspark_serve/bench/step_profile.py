@@ -19,6 +19,7 @@ import time
 import torch
 
 from dspark_serve.assets.default_model import default_model_path
+from dspark_serve.engine.config import QUANTIZATIONS
 from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.model.target_model import TargetModel
 from dspark_serve.types import DTYPES
@@ -131,8 +132,10 @@ def _load_text() -> str:
 def main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
-    model = TargetModel.from_pretrained(args.model or default_model_path(), dtype=args.dtype)
+    model = TargetModel.from_pretrained(args.model or default_model_path(), dtype=args.dtype,
+                                        quantization=args.quantization)
     print(f"target {args.model or 'default SmolLM2-135M-Instruct'} dtype={args.dtype} "
+          f"quantization={args.quantization} "
           f"threads={args.threads} context={args.context} k={args.tokens_per_request}; "
           + _load_text())
     records = step_times(model, args.batch_tokens, context=args.context,
@@ -161,6 +164,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="target weights: none (dtype) or int4")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--batch-tokens", type=_int_list, default=list(DEFAULT_BATCH_TOKENS))
     p.add_argument("--tokens-per-request", type=int, default=1)

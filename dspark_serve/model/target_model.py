@@ -254,6 +254,7 @@ class TargetModel:
         cos = (freqs.cos() * w.rope_scale).contiguous()
         sin = (freqs.sin() * w.rope_scale).contiguous()
         table = cache.page_table.long().contiguous()
+        slots, positions = slots.contiguous(), positions.contiguous()   # e.g. expanded views
         for i, layer in enumerate(w.layers):
             h = self._fused(h, layer.input_norm, layer.post_norm, w.eps,
                             layer.qkv.quantized.kernel_args, layer.qkv.bias,

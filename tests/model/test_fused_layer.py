@@ -99,6 +99,13 @@ def test_fused_logits_do_not_depend_on_the_page_layout():
         return torch.cat(out), [cache.pages_of(s) for s in slots]
 
     contiguous, _ = run(fused.new_kv_cache(2, 320))
+    # any int64 index tensors, e.g. an expanded slot (stride 0)
+    logits = []
+    for slots in (lambda s: torch.tensor(s).expand(300), lambda s: torch.full((300,), s)):
+        cache = fused.new_kv_cache(1, 320)
+        logits.append(fused.forward(seqs[0], slots(cache.allocate(300)), torch.arange(300),
+                                    cache).logits)
+    assert torch.equal(*logits)
     paged, pages = run(fused.new_kv_cache(2, 320, num_tokens=640))
     assert pages == [[0, 2, 4, 5, 6], [1, 3, 7, 8, 9]]
     assert torch.equal(paged, contiguous)
