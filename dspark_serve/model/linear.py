@@ -267,11 +267,12 @@ def flat_call(linear: Linear | Int4Linear | QuantizedLinear, x: torch.Tensor) ->
 
 
 class _PackedForward:
-    """An ``nn.Linear``'s forward replaced by a packed ``Linear`` (see ``pack_linears``)."""
+    """An ``nn.Linear``'s forward replaced by a packed ``Linear`` or a ``QuantizedLinear``
+    (see ``pack_linears``, ``quantize_linears``)."""
 
     __slots__ = ("linear",)
 
-    def __init__(self, linear: Linear):
+    def __init__(self, linear: Linear | QuantizedLinear):
         self.linear = linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,5 +293,25 @@ def pack_linears(module: nn.Module) -> int:
         if isinstance(sub, nn.Linear) and _can_pack(sub.weight):
             bias = None if sub.bias is None else sub.bias.detach()
             sub.forward = _PackedForward(Linear(sub.weight.detach(), bias))
+            count += 1
+    return count
+
+
+def quantize_linears(module: nn.Module, bits: int = 8) -> int:
+    """Run every ``nn.Linear`` inside ``module`` whose shape the kernel takes (out divisible
+    by 16, in by 32; CPU) on a ``QuantizedLinear`` copy of its weight (``bits`` 4 or 8), where
+    the kernel runs: the drafter of an int4 target reads ~2x fewer weight bytes per draft
+    than with ``pack_linears``. Speculative decoding stays lossless (verification uses the
+    draft distributions the quantized drafter produced). Same caveats as ``pack_linears``
+    (inference only, parameters kept). Returns the number of layers quantized (0 without the
+    kernel)."""
+    if cpu_kernel() is None:
+        return 0
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) and sub.weight.device.type == "cpu" and \
+                sub.out_features % 16 == 0 and sub.in_features % 32 == 0:
+            bias = None if sub.bias is None else sub.bias.detach().to(torch.bfloat16)
+            sub.forward = _PackedForward(QuantizedLinear(sub.weight.detach(), bias, bits))
             count += 1
     return count

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from dspark_serve.model.linear import (INT4_GROUP, Int4Linear, Linear, QuantizedLinear,
                                        _by_row_chunks, _can_pack, make_head, make_linear,
-                                       pack_linears, row_limits)
+                                       pack_linears, quantize_linears, row_limits)
 from dspark_serve.ops.quantized_linear import cpu_kernel, quantized_linear_reference
 
 
@@ -113,6 +113,24 @@ def test_pack_linears_keeps_parameters_and_matches_f_linear():
     assert out.shape == (2, 5, 8) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected.float(), atol=0.15, rtol=2e-2)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_quantize_linears_takes_the_shapes_the_kernel_takes():
+    """Linears with out % 16 == 0 and in % 32 == 0 run 8-bit through our kernel (where it
+    runs), the others keep their forward; parameters stay; outputs near F.linear."""
+    gen = torch.Generator().manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(3, 64, generator=gen).bfloat16()
+    expected = F.linear(x, model[0].weight, model[0].bias)
+    count = quantize_linears(model)
+    if cpu_kernel() is None:
+        assert count == 0
+        return
+    assert count == 1 and "forward" not in vars(model[1])
+    assert isinstance(model[0].forward.linear, QuantizedLinear)
+    torch.testing.assert_close(model[0](x).float(), expected.float(), atol=0.03, rtol=0.03)
+    assert model[0].weight.shape == (32, 64)
 
 
 def test_pack_linears_leaves_float32_alone():
