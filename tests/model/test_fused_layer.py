@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from dspark_serve.model.linear import QuantizedLinear
 from dspark_serve.model.target_model import TargetModel
 from dspark_serve.ops.quantized_linear import cpu_kernel
-from tests.model.test_target_model import hf_logits, plain_decode
+from tests.model.test_target_model import hf_logits, page_layout_runs, plain_decode
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None,
                                 reason="no AVX512-VNNI CPU or no C++ toolchain for the kernel")
@@ -80,25 +80,13 @@ def test_fused_logits_do_not_depend_on_batching():
 
 def test_fused_logits_do_not_depend_on_the_page_layout():
     """Interleaved pages of a pool (the kernel walks each slot's page table) give the logits
-    of one page per slot, bit for bit, and the cache holds the same keys at the same
-    positions."""
+    of one page per slot, bit for bit."""
     fused, _ = int4_pair(tiny(LlamaConfig, seed=2))
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 96, (300,), generator=gen) for _ in range(2)]
-
-    def run(cache):
-        slots = [cache.allocate(1), cache.allocate(1)]
-        out = []
-        for start, end in [(0, 100), (100, 101), (101, 108), (108, 300)]:
-            for s in slots:
-                assert cache.reserve(s, end)
-            ids = torch.cat([seq[start:end] for seq in seqs])
-            positions = torch.arange(start, end).repeat(2)
-            out.append(fused.forward(ids, torch.tensor(slots).repeat_interleave(end - start),
-                                     positions, cache).logits)
-        return torch.cat(out), [cache.pages_of(s) for s in slots]
-
-    contiguous, _ = run(fused.new_kv_cache(2, 320))
+    contiguous, paged, pages = page_layout_runs(fused, seqs)
+    assert pages == [[0, 2, 4, 5, 6], [1, 3, 7, 8, 9]]
+    assert torch.equal(paged, contiguous)
     # any int64 index tensors, e.g. an expanded slot (stride 0)
     logits = []
     for slots in (lambda s: torch.tensor(s).expand(300), lambda s: torch.full((300,), s)):
@@ -106,9 +94,6 @@ def test_fused_logits_do_not_depend_on_the_page_layout():
         logits.append(fused.forward(seqs[0], slots(cache.allocate(300)), torch.arange(300),
                                     cache).logits)
     assert torch.equal(*logits)
-    paged, pages = run(fused.new_kv_cache(2, 320, num_tokens=640))
-    assert pages == [[0, 2, 4, 5, 6], [1, 3, 7, 8, 9]]
-    assert torch.equal(paged, contiguous)
 
 
 def test_models_the_fused_layer_cannot_take_use_the_loop():

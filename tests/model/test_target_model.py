@@ -243,14 +243,9 @@ def test_bfloat16_logits_do_not_depend_on_step_size():
         assert torch.equal(logits, alone)
 
 
-def test_bfloat16_logits_do_not_depend_on_the_page_layout():
-    """A paged pool whose slots hold interleaved pages (attention gathers them) gives the
-    bfloat16 logits of the one-page-per-slot cache bit for bit, step after step."""
-    config = LlamaConfig(**{**TINY, "max_position_embeddings": 1024})
-    torch.manual_seed(4)
-    model = TargetModel.from_hf(AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16))
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, 96, (300,), generator=gen) for _ in range(2)]
+def page_layout_runs(model, seqs):
+    """Two requests (seqs: two [300] token tensors) decoded in the same steps, on one page per
+    slot and on an interleaved pool: (logits, logits, the pool's pages of each slot)."""
 
     def run(cache):
         slots = [cache.allocate(1), cache.allocate(1)]
@@ -266,6 +261,18 @@ def test_bfloat16_logits_do_not_depend_on_the_page_layout():
 
     contiguous, _ = run(model.new_kv_cache(2, 320))
     paged, pages = run(model.new_kv_cache(2, 320, num_tokens=640))
+    return contiguous, paged, pages
+
+
+def test_bfloat16_logits_do_not_depend_on_the_page_layout():
+    """A paged pool whose slots hold interleaved pages (attention gathers them) gives the
+    bfloat16 logits of the one-page-per-slot cache bit for bit, step after step."""
+    config = LlamaConfig(**{**TINY, "max_position_embeddings": 1024})
+    torch.manual_seed(4)
+    model = TargetModel.from_hf(AutoModelForCausalLM.from_config(config).eval().to(torch.bfloat16))
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 96, (300,), generator=gen) for _ in range(2)]
+    contiguous, paged, pages = page_layout_runs(model, seqs)
     assert pages == [[0, 2, 4, 5, 6], [1, 3, 7, 8, 9]]
     assert torch.equal(paged, contiguous)
 

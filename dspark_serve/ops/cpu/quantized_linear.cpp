@@ -94,24 +94,36 @@ DSPARK_AVX512 inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Rows [r0, r0 + MT) of output block nb (16 channels), 4-bit weights (Q4_1 grid).
-template <int MT>
-DSPARK_AVX512 void q4_rows(const uint8_t* packed, const uint16_t* scales, const int32_t*,
-                           const int8_t* qx, const float* dx, const float* sx, int64_t nb,
-                           int64_t r0, int64_t G, int64_t K, int64_t N, float* y) {
+// Rows [r0, r0 + MT) of output block nb (16 channels). Bits 4: the Q4_1 grid (w = d q + m,
+// unsigned nibbles times the signed activations, plus the m term). Bits 8: the Q8_0 grid
+// (w = d q, signed); vpdpbusd takes unsigned x signed bytes, so the activations enter as
+// qx + 128 (their sign bits flipped once by ``qlinear``) and the exact integer correction
+// 128 * sum_k q[n, k] (``corr``, per block and channel) is taken off.
+template <int Bits, int MT>
+DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, const int32_t* corr,
+                              const int8_t* qx, const float* dx, const float* sx, int64_t nb,
+                              int64_t r0, int64_t G, int64_t K, int64_t N, float* y) {
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wb = packed + (nb * G + g) * (kLanes * kGroup / 2);
-    const uint16_t* sb = scales + (nb * G + g) * (2 * kLanes);
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kLanes)));
+    const int64_t block = nb * G + g;
+    const uint8_t* wb = packed + block * (kLanes * kGroup * Bits / 8);
+    const uint16_t* sb = scales + block * kLanes * (Bits == 4 ? 2 : 1);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+    __m512 m = _mm512_setzero_ps();
+    __m512i c = _mm512_setzero_si512();
     __m512i w[8];
-    for (int u = 0; u < 4; ++u) {
-      __m512i p = _mm512_loadu_si512(wb + 64 * u);
-      w[2 * u] = _mm512_and_si512(p, low4);
-      w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+    if constexpr (Bits == 4) {
+      m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kLanes)));
+      for (int u = 0; u < 4; ++u) {
+        __m512i p = _mm512_loadu_si512(wb + 64 * u);
+        w[2 * u] = _mm512_and_si512(p, low4);
+        w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
+      }
+    } else {
+      c = _mm512_loadu_si512(corr + block * kLanes);
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(wb + 64 * t);
     }
     for (int r = 0; r < MT; ++r) {
       const int8_t* xq = qx + (r0 + r) * K + g * kGroup;
@@ -120,49 +132,21 @@ DSPARK_AVX512 void q4_rows(const uint8_t* packed, const uint16_t* scales, const 
       for (int t = 0; t < 8; t += 2) {
         int32_t quad[2];
         std::memcpy(quad, xq + 4 * t, 8);
-        even = _mm512_dpbusd_epi32(even, w[t], _mm512_set1_epi32(quad[0]));
-        odd = _mm512_dpbusd_epi32(odd, w[t + 1], _mm512_set1_epi32(quad[1]));
+        const __m512i x0 = _mm512_set1_epi32(quad[0]), x1 = _mm512_set1_epi32(quad[1]);
+        if constexpr (Bits == 4) {
+          even = _mm512_dpbusd_epi32(even, w[t], x0);
+          odd = _mm512_dpbusd_epi32(odd, w[t + 1], x1);
+        } else {
+          even = _mm512_dpbusd_epi32(even, x0, w[t]);
+          odd = _mm512_dpbusd_epi32(odd, x1, w[t + 1]);
+        }
       }
-      const __m512i isum = _mm512_add_epi32(even, odd);
+      __m512i isum = _mm512_add_epi32(even, odd);
+      if constexpr (Bits == 8) isum = _mm512_sub_epi32(isum, c);
       const int64_t rg = (r0 + r) * G + g;
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])),
                                acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[rg]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + (r0 + r) * N + nb * kLanes, acc[r]);
-}
-
-// The same for 8-bit weights (GGUF Q8_0's grid: w = d * q, q in -127..127). vpdpbusd takes
-// unsigned x signed bytes, so the activations enter as qx + 128 (their sign bits flipped once
-// by ``qlinear``) and the exact integer correction 128 * sum_k q[n, k] (``corr``, per block and
-// channel) is taken off.
-template <int MT>
-DSPARK_AVX512 void q8_rows(const uint8_t* packed, const uint16_t* scales, const int32_t* corr,
-                           const int8_t* qx, const float* dx, const float*, int64_t nb,
-                           int64_t r0, int64_t G, int64_t K, int64_t N, float* y) {
-  __m512 acc[MT];
-  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    const uint8_t* wb = packed + (nb * G + g) * (kLanes * kGroup);
-    __m512 d = _mm512_cvtph_ps(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + (nb * G + g) * kLanes)));
-    __m512i c = _mm512_loadu_si512(corr + (nb * G + g) * kLanes);
-    __m512i w[8];
-    for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(wb + 64 * t);
-    for (int r = 0; r < MT; ++r) {
-      const int8_t* xq = qx + (r0 + r) * K + g * kGroup;
-      __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-      for (int t = 0; t < 8; t += 2) {
-        int32_t quad[2];
-        std::memcpy(quad, xq + 4 * t, 8);
-        even = _mm512_dpbusd_epi32(even, _mm512_set1_epi32(quad[0]), w[t]);
-        odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(quad[1]), w[t + 1]);
-      }
-      const __m512i isum = _mm512_add_epi32(even, odd);
-      const int64_t rg = (r0 + r) * G + g;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum, c)),
-                               _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])), acc[r]);
+      if constexpr (Bits == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[rg]), acc[r]);
     }
   }
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + (r0 + r) * N + nb * kLanes, acc[r]);
@@ -175,7 +159,7 @@ using RowsFn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const i
 template <int Bits, int... Ms>
 RowsFn rows_fn(int64_t mt, std::integer_sequence<int, Ms...>) {
   RowsFn fn = nullptr;
-  ((mt == Ms + 1 ? (fn = Bits == 4 ? &q4_rows<Ms + 1> : &q8_rows<Ms + 1>) : nullptr), ...);
+  ((mt == Ms + 1 ? (fn = &block_rows<Bits, Ms + 1>) : nullptr), ...);
   return fn;
 }
 
