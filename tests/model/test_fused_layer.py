@@ -8,7 +8,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from dspark_serve.model.linear import QuantizedLinear
 from dspark_serve.model.target_model import TargetModel
 from dspark_serve.ops.quantized_linear import cpu_kernel
-from tests.model.test_target_model import hf_logits, page_layout_runs, plain_decode
+from tests.model.test_target_model import (assert_logits_do_not_depend_on_batching, hf_logits,
+                                           page_layout_runs)
 
 pytestmark = pytest.mark.skipif(cpu_kernel() is None,
                                 reason="no AVX512-VNNI CPU or no C++ toolchain for the kernel")
@@ -60,22 +61,11 @@ def test_fused_layers_match_the_python_loop(config_cls):
 
 
 def test_fused_logits_do_not_depend_on_batching():
-    """A token's logits have the same bits decoded alone, chunk-prefilled next to other
-    requests' decode tokens, or verified inside one block: greedy speculative decoding on
-    the int4 target reproduces its plain decoding."""
+    """Decoded alone, chunk-prefilled next to other requests' decode tokens, or verified inside
+    one block, a token's logits keep their bits: greedy speculative decoding on the int4
+    target reproduces its plain decoding."""
     fused, _ = int4_pair(tiny(LlamaConfig, seed=1))
-    prompts = [[5, 17, 3, 88, 40], list(range(20, 33)), [9, 2]]
-    outs, logits, _ = plain_decode(fused, prompts, 16, chunk=3, num_slots=3)
-    alone_outs, alone_logits, _ = plain_decode(fused, prompts, 16, chunk=64, num_slots=1)
-    assert outs == alone_outs
-    cache = fused.new_kv_cache(1, 128)
-    slot = cache.allocate()
-    for prompt, out, mixed, alone in zip(prompts, outs, logits, alone_logits):
-        assert torch.equal(mixed, alone)
-        seq = prompt + out[:-1]
-        block = fused.forward(torch.tensor(seq), torch.full((len(seq),), slot),
-                              torch.arange(len(seq)), cache).logits
-        assert torch.equal(block, mixed)
+    assert_logits_do_not_depend_on_batching(fused)
 
 
 def test_fused_logits_do_not_depend_on_the_page_layout():

@@ -184,12 +184,10 @@ def test_bfloat16_close_to_float32_reference():
     torch.testing.assert_close(out.logits, ref, atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3-tied-bias"])
-def test_bfloat16_logits_do_not_depend_on_batching(name):
-    """In bfloat16 a token's logits have the same bits however the step is composed:
-    chunked prefill mixed with other requests' decode tokens, one request at a time, or a
-    whole sequence in one forward (a verify block)."""
-    model = TargetModel.from_hf(tiny_hf(name).to(torch.bfloat16))
+def assert_logits_do_not_depend_on_batching(model):
+    """A token's logits have the same bits however the step is composed: chunked prefill
+    mixed with other requests' decode tokens, one request at a time, or a whole sequence in
+    one forward (a verify block)."""
     prompts = [[5, 17, 3, 88, 40], list(range(20, 33)), [9, 2]]
     outs, logits, _ = plain_decode(model, prompts, 16, chunk=3, num_slots=3)
     alone_outs, alone_logits, _ = plain_decode(model, prompts, 16, chunk=64, num_slots=1)
@@ -202,6 +200,12 @@ def test_bfloat16_logits_do_not_depend_on_batching(name):
         block = model.forward(torch.tensor(seq), torch.full((len(seq),), slot),
                               torch.arange(len(seq)), cache).logits
         assert torch.equal(block, mixed)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3-tied-bias"])
+def test_bfloat16_logits_do_not_depend_on_batching(name):
+    """In bfloat16 (``assert_logits_do_not_depend_on_batching``)."""
+    assert_logits_do_not_depend_on_batching(TargetModel.from_hf(tiny_hf(name).to(torch.bfloat16)))
 
 
 def test_bfloat16_logits_do_not_depend_on_step_size():
