@@ -11,6 +11,10 @@ speculative decoding nothing to gain; this kernel takes 3.5 ms / 8.4 ms.
 
 Row invariance: each output row depends on its own input row only (exact integer sums, float32
 updates in a fixed group order), so a token's logits do not depend on what shares its step.
+
+The compiled module also holds ``decoder_layer``: a whole Llama / Qwen2 decoder layer over a
+step's flat tokens in one call (``model.target_model``'s int4 fast path; its contract is in the
+C++ source).
 """
 from __future__ import annotations
 
