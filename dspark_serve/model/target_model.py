@@ -250,9 +250,7 @@ class TargetModel:
         """The decoder layers as one compiled call each (``ops.cpu`` ``decoder_layer``: the
         int4 fast path, see ``__init__``)."""
         w = self.weights
-        freqs = positions[:, None].to(torch.float32) * w.inv_freq
-        cos = (freqs.cos() * w.rope_scale).contiguous()
-        sin = (freqs.sin() * w.rope_scale).contiguous()
+        cos, sin = w.rope_angles(positions)
         table = cache.page_table.long().contiguous()
         slots, positions = slots.contiguous(), positions.contiguous()   # e.g. expanded views
         for i, layer in enumerate(w.layers):

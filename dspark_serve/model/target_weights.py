@@ -75,11 +75,15 @@ class TargetWeights:
         """cos, signed sin [T, 1, D] in the model dtype for ``positions`` [T] int64, such
         that ``x * cos + x.roll(D // 2, -1) * sin`` equals transformers'
         ``x * cos + rotate_half(x) * sin`` (angles computed in float32 like transformers)."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq
-        cos = (freqs.cos() * self.rope_scale).repeat(1, 2)
-        sin = freqs.sin() * self.rope_scale
+        cos, sin = self.rope_angles(positions)
         sin = torch.cat((-sin, sin), dim=-1)
-        return cos[:, None].to(self.embed.dtype), sin[:, None].to(self.embed.dtype)
+        return cos.repeat(1, 2)[:, None].to(self.embed.dtype), sin[:, None].to(self.embed.dtype)
+
+    def rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D / 2] float32 of the rotation angles of ``positions`` [T] int64, times
+        the RoPE attention factor."""
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq
+        return freqs.cos() * self.rope_scale, freqs.sin() * self.rope_scale
 
 
 def _check_supported(config) -> None:
