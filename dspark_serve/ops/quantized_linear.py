@@ -19,6 +19,7 @@ C++ source).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ GROUP = 32   # weights per scale (and activations per int8 scale)
 LANES = 16   # output channels the kernel computes together
 # float16 scales: the largest weight magnitude they can take
 _FP16_MAX = 6.0e4
+_NAME = "dspark_cpu_quantized_linear"   # the compiled module (its build folder's name)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -144,17 +148,37 @@ def cpu_kernel():
     RuntimeWarning) and callers fall back to torch's kernels."""
     if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
         return None
+    # torch warns at import that no CUDA runtime exists, which is irrelevant to a CPU build
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
     try:
-        from torch.utils.cpp_extension import load
-
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+    _say_if_compiling(cpp_extension)
+    try:
         source = os.path.join(os.path.dirname(__file__), "cpu", "quantized_linear.cpp")
-        module = load(name="dspark_cpu_quantized_linear", sources=[source],
-                      extra_cflags=["-O3"], verbose=False)
+        module = cpp_extension.load(name=_NAME, sources=[source], extra_cflags=["-O3"],
+                                    verbose=False)
     except Exception as exc:  # noqa: BLE001 -- any build failure means: use the fallback
         warnings.warn(f"the CPU quantized-linear kernel did not build ({exc}); using torch's "
                       "int4 kernel", RuntimeWarning, stacklevel=2)
         return None
     return module if module.supported() else None
+
+
+def _say_if_compiling(cpp_extension) -> None:
+    """Log that the kernel is being built when its build folder holds no library yet (the
+    build takes ~40 s and prints nothing otherwise)."""
+    try:   # a private torch helper: without it, only the message is lost
+        build_dir = cpp_extension._get_build_directory(_NAME, verbose=False)
+        built = any(f.endswith(".so") for f in os.listdir(build_dir))
+    except Exception:  # noqa: BLE001
+        return
+    if not built:
+        logger.info("compiling the CPU int4 kernel into %s (once per machine and source, ~40 s)",
+                    build_dir)
 
 
 def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, kernel=None) -> torch.Tensor:
