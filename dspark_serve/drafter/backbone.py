@@ -40,12 +40,27 @@ class DFlashBackbone(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def context_kv(self, target_hidden: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context keys/values of every layer for N committed tokens (Eq 2-3).
+    def context_state(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """H_ctx = hidden_norm(fc(taps)) of N committed tokens (Eq 2).
 
         Args:
             target_hidden: [N, len(target_layer_ids) * hidden_size] float, target taps.
+        Returns:
+            [N, hidden_size] in the backbone dtype.
+        Raises:
+            ValueError: taps of the wrong shape.
+        """
+        if target_hidden.dim() != 2 or target_hidden.shape[1] != self.cfg.context_dim:
+            raise ValueError(f"target_hidden must be [N, {self.cfg.context_dim}], got "
+                             f"{tuple(target_hidden.shape)}")
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    def context_kv(self, h_ctx: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context keys/values of every layer for N committed tokens (Eq 3).
+
+        Args:
+            h_ctx: [N, hidden_size] context states (``context_state``).
             positions: [N] int64 absolute positions of those tokens.
         Returns:
             k, v: [num_layers, N, Hkv, Dh] in the backbone dtype.
@@ -53,14 +68,20 @@ class DFlashBackbone(nn.Module):
             ValueError: wrong shapes.
         """
         n = positions.shape[0]
-        if target_hidden.shape != (n, self.cfg.context_dim) or positions.dim() != 1:
-            raise ValueError(f"target_hidden must be [{n}, {self.cfg.context_dim}] for "
-                             f"positions [N], got {tuple(target_hidden.shape)} and "
-                             f"{tuple(positions.shape)}")
-        h_ctx = self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+        if h_ctx.shape != (n, self.cfg.hidden_size) or positions.dim() != 1:
+            raise ValueError(f"h_ctx must be [{n}, {self.cfg.hidden_size}] for positions [N], "
+                             f"got {tuple(h_ctx.shape)} and {tuple(positions.shape)}")
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.dtype)
         kv = [layer.self_attn.keys_values(h_ctx, cos, sin) for layer in self.layers]
         return torch.stack([k for k, _ in kv]), torch.stack([v for _, v in kv])
+
+    @staticmethod
+    def with_anchor_state(block_embeds: torch.Tensor, anchor_state: torch.Tensor) -> torch.Tensor:
+        """Block inputs of an ``anchor_context`` drafter: slot 0 (the anchor) gets
+        embed(anchor) + H_ctx[p - 1]. block_embeds [R, G, d], anchor_state [R, d]; returns
+        [R, G, d] in block_embeds' dtype."""
+        first = block_embeds[:, :1] + anchor_state[:, None].to(block_embeds.dtype)
+        return torch.cat([first, block_embeds[:, 1:]], dim=1)
 
     def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                 context: ContextKV, ctx_mask: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,9 @@ class DSparkConfig:
     z-lab DFlash (slot j predicts x_j; the anchor's output is unused; gamma = block_size - 1).
     ``draft_vocab_size`` N prunes the draft output vocabulary to N target tokens (their ids in
     the checkpoint's ``d2t``, ``dspark_serve.drafter.draft_vocab``); None = the full vocabulary.
+    ``anchor_context`` also feeds the anchor slot the context state of the position before
+    the anchor, x_0 = embed(anchor) + H_ctx[p - 1] (EAGLE-style input; issue 15; our
+    extension of the DeepSpec format, key ``anchor_context``, absent = False).
     ``extra`` keeps every other config.json key so a load/save round trip is lossless.
     """
 
@@ -64,6 +67,7 @@ class DSparkConfig:
     num_anchors: int = DEFAULT_NUM_ANCHORS
     label_offset: int = 0
     draft_vocab_size: int | None = None
+    anchor_context: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,6 +146,7 @@ class DSparkConfig:
             num_anchors=int(cfg.pop("num_anchors", DEFAULT_NUM_ANCHORS)),
             markov_rank=rank,
             draft_vocab_size=_optional_int(cfg.pop("draft_vocab_size", None)),
+            anchor_context=bool(cfg.pop("anchor_context", False)),
             markov_head_type=str(_pop_required(cfg, "markov_head_type") if rank > 0
                                  else cfg.pop("markov_head_type", "vanilla")).lower(),
             enable_confidence_head=conf,
@@ -180,6 +185,8 @@ class DSparkConfig:
             out["rope_theta"] = self.rope_theta
         if self.draft_vocab_size is not None:
             out["draft_vocab_size"] = self.draft_vocab_size
+        if self.anchor_context:
+            out["anchor_context"] = True
         if self.markov_rank > 0:
             out["markov_head_type"] = self.markov_head_type
         if self.enable_confidence_head:

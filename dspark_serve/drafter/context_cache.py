@@ -34,17 +34,22 @@ class DraftContextCache:
         page_table: [num_slots, ceil(max_len / PAGE_SIZE)] int64 (``ops.page_table``;
             entries past a slot's pages are read only where masked).
         lengths: [num_slots] int64; positions 0..lengths[s]-1 of slot s hold context.
+        h: [num_pages, PAGE_SIZE, state_dim] context states H_ctx, kept only when
+            ``state_dim`` is given (an ``anchor_context`` drafter reads H_ctx[p - 1]); else None.
 
     A new cache is empty (every length 0). Raises ValueError for non-positive sizes.
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        if min(num_layers, num_slots, max_len, num_kv_heads, head_dim) <= 0:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 state_dim: int | None = None):
+        if min(num_layers, num_slots, max_len, num_kv_heads, head_dim, state_dim or 1) <= 0:
             raise ValueError("cache dimensions must all be > 0")
         shape = (num_layers, num_slots, PAGE_SIZE, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.h = (None if state_dim is None else
+                  torch.zeros(num_slots, PAGE_SIZE, state_dim, dtype=dtype, device=device))
         self._pages = PageTable(num_slots, -(-max_len // PAGE_SIZE), num_slots, device)
         self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self._max_len = max_len
@@ -76,12 +81,14 @@ class DraftContextCache:
             raise ValueError(f"slot ids must be in [0, {self.num_slots})")
 
     def write(self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
-        """Store K/V of N context tokens and extend each touched slot's length to cover them.
+              v: torch.Tensor, h: torch.Tensor | None = None) -> None:
+        """Store K/V (and context states) of N context tokens and extend each touched slot's
+        length to cover them.
 
         Args:
             slots, positions: [N] int64 (positions in [0, max_len)).
             k, v: [num_layers, N, num_kv_heads, head_dim].
+            h: [N, state_dim] context states; required exactly when the cache keeps them.
 
         Raises:
             ValueError: bad slots or positions, or a write that would leave a gap between a
@@ -90,6 +97,8 @@ class DraftContextCache:
         self.check_slots(slots)
         if positions.shape != slots.shape or positions.dtype != torch.int64:
             raise ValueError("positions must be int64 with the shape of slots")
+        if (h is None) != (self.h is None):
+            raise ValueError("context states must be written exactly when the cache keeps them")
         if slots.numel() == 0:
             return
         if bool(((positions < 0) | (positions >= self.max_len)).any()):
@@ -108,6 +117,8 @@ class DraftContextCache:
         offsets = positions % PAGE_SIZE
         self.k[:, pages, offsets] = k.to(self.k.dtype)
         self.v[:, pages, offsets] = v.to(self.v.dtype)
+        if h is not None:
+            self.h[pages, offsets] = h.to(self.h.dtype)
         self.lengths = new_len
 
     def context(self, layer: int, slots: torch.Tensor,
@@ -121,6 +132,16 @@ class DraftContextCache:
         return tuple(c[layer][table].view(r, n * PAGE_SIZE, *c.shape[3:])[:, :length]
                      for c in (self.k, self.v))
 
+    def states(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Context states [R, state_dim] of ``slots`` [R] at ``positions`` [R] int64 (each
+        below its slot's length); zeros where a position is -1 (an anchor with no context).
+        Raises ValueError when the cache keeps no states."""
+        if self.h is None:
+            raise ValueError("this cache keeps no context states (state_dim None)")
+        p = positions.clamp_min(0)
+        out = self.h[self.page_table[slots, p // PAGE_SIZE], p % PAGE_SIZE]
+        return torch.where((positions >= 0)[:, None], out, torch.zeros_like(out))
+
     def reset(self, slots: torch.Tensor) -> None:
         """Forget the context of ``slots`` and return their pages (a finished request's slot
         is being reused)."""
@@ -133,3 +154,5 @@ class DraftContextCache:
         """Double the page store (new pages zeroed, so every entry stays finite)."""
         self._pages.add_pages(self.num_pages)
         self.k, self.v = (torch.cat([c, torch.zeros_like(c)], dim=1) for c in (self.k, self.v))
+        if self.h is not None:
+            self.h = torch.cat([self.h, torch.zeros_like(self.h)])

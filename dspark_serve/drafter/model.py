@@ -96,10 +96,11 @@ class DSparkDrafter(nn.Module):
         """An empty context cache for ``num_slots`` slots of up to ``max_len`` context
         positions (paged: its memory follows the context held), in the drafter's dtype, on
         its device unless ``device`` is given."""
-        w = self.backbone.fc.weight
-        return DraftContextCache(self.config.num_hidden_layers, num_slots, max_len,
-                                 self.config.num_key_value_heads, self.config.head_dim,
-                                 w.dtype, w.device if device is None else device)
+        w, cfg = self.backbone.fc.weight, self.config
+        return DraftContextCache(cfg.num_hidden_layers, num_slots, max_len,
+                                 cfg.num_key_value_heads, cfg.head_dim, w.dtype,
+                                 w.device if device is None else device,
+                                 state_dim=cfg.hidden_size if cfg.anchor_context else None)
 
     @torch.no_grad()
     def extend_context(self, cache: DraftContextCache, slots: torch.Tensor,
@@ -116,8 +117,9 @@ class DSparkDrafter(nn.Module):
             ValueError: bad shapes, slots or positions.
         """
         cache.check_slots(slots)
-        k, v = self.backbone.context_kv(target_hidden, positions)
-        cache.write(slots, positions, k, v)
+        h_ctx = self.backbone.context_state(target_hidden)
+        k, v = self.backbone.context_kv(h_ctx, positions)
+        cache.write(slots, positions, k, v, h_ctx if self.config.anchor_context else None)
 
     def block_forward(self, cache: DraftContextCache, slots: torch.Tensor,
                       anchor_tokens: torch.Tensor,
@@ -148,7 +150,11 @@ class DSparkDrafter(nn.Module):
         offsets = torch.arange(cfg.block_size, device=slots.device)
         block_ids = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)
         embed_tokens, lm_head = self.shared_modules
-        hidden = self.backbone(embed_tokens(block_ids), anchor_positions[:, None] + offsets,
+        block_embeds = embed_tokens(block_ids)
+        if cfg.anchor_context:
+            block_embeds = self.backbone.with_anchor_state(
+                block_embeds, cache.states(slots, anchor_positions - 1))
+        hidden = self.backbone(block_embeds, anchor_positions[:, None] + offsets,
                                lambda i: cache.context(i, slots, ctx_len),
                                ctx_mask)[:, cfg.label_offset:]
         weight = getattr(lm_head, "weight", None)

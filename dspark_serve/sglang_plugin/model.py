@@ -17,13 +17,17 @@ from dspark_serve.drafter.config import DEEPSPEC_ARCHITECTURE, DSparkConfig
 def check_drafter_config(config: dict[str, Any]) -> DSparkConfig:
     """Our ``DSparkConfig`` of a draft HF config dict (any ``architectures`` value: the draft
     worker renames it). Raises ValueError as ``DSparkConfig.from_deepspec_dict`` does, and for
-    a pruned draft vocabulary, which SGLang's DSpark model (full-vocabulary LM head and
-    Markov W2) cannot load: serve those drafters on the embedded engine."""
+    a pruned draft vocabulary or an ``anchor_context`` input, which SGLang's DSpark model
+    (full-vocabulary LM head and Markov W2, anchor slot fed its embedding only) cannot run:
+    serve those drafters on the embedded engine."""
     parsed = DSparkConfig.from_deepspec_dict({**config, "architectures": [DEEPSPEC_ARCHITECTURE]})
     if parsed.draft_vocab_size is not None:
         raise ValueError(f"draft_vocab_size {parsed.draft_vocab_size}: SGLang's DSpark drafter has "
                          "no pruned draft vocabulary; use a full-vocabulary drafter with "
                          "--backend sglang")
+    if parsed.anchor_context:
+        raise ValueError("anchor_context: SGLang's DSpark drafter feeds the anchor slot its "
+                         "embedding only; use a drafter without it with --backend sglang")
     return parsed
 
 

@@ -11,8 +11,7 @@ given the seed, so a resumed run continues exactly where it stopped.
 The drafter starts from ``init_from`` (a DeepSpec folder: its shape and its draft vocabulary
 (``dspark-serve prune-vocab``); its weights unless ``reinit``). Options A/B-tested in issue 15:
 ``tap_norm`` (each tap scaled by 1/RMS measured on the cache, folded into fc on save),
-``anchor_context`` (the anchor slot also gets H_ctx[p - 1]; training/evaluation only: the
-serving path lacks it, the saved config records ``anchor_context: true``),
+``anchor_context`` (the anchor slot also gets H_ctx[p - 1]; a config field the engine serves),
 ``mask_token_id`` and ``rope_theta`` overrides, ``loss_decay``.
 
 Output folder: ``step-NNNNNN/`` checkpoints (``checkpointing``), ``train_log.jsonl`` (loss
@@ -113,7 +112,8 @@ def build_drafter(cfg: CacheTrainConfig, target, resume_from: Path | None) -> DS
                          "prune-vocab` on it first")
     drafter = load_drafter(source, target.embed_tokens, target.lm_head, dtype=torch.float32)
     overrides = {k: v for k, v in (("mask_token_id", cfg.mask_token_id),
-                                   ("rope_theta", cfg.rope_theta)) if v is not None}
+                                   ("rope_theta", cfg.rope_theta),
+                                   ("anchor_context", cfg.anchor_context or None)) if v is not None}
     if resume_from is None and (cfg.reinit or overrides):
         new_cfg = replace(dcfg, **overrides)
         fresh = DSparkDrafter(new_cfg, target.embed_tokens,
@@ -153,8 +153,7 @@ def _step_loss(drafter, caches, order, step, cfg, head_rows, to_draft, tap_scale
     for seq, cand, tg in work:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, conf, _ = shared_context_forward(drafter, seq.taps, seq.ids, cand,
-                                                     tap_scale=tap_scale,
-                                                     anchor_context=cfg.anchor_context)
+                                                     tap_scale=tap_scale)
         terms, match = draft_space_loss(
             logits, tg.target_probs, tg.greedy, tg.label_mask,
             conf_logits=conf if drafter.confidence_head is not None else None,
@@ -206,7 +205,7 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
             return
         t0 = time.perf_counter()
         res = heldout_acceptance(drafter, eval_cache, max_seqs=cfg.eval_seqs,
-                                 tap_scale=tap_scale, anchor_context=cfg.anchor_context)
+                                 tap_scale=tap_scale)
         res.update(step=at, seconds=time.perf_counter() - t0)
         with open(out / "eval_log.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(res) + "\n")
@@ -251,11 +250,7 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
             if step % cfg.eval_every == 0 or step == plan["total"]:
                 evaluate(step)
     final = out / "final"
-    shipped_cfg = drafter.config
-    if cfg.anchor_context:
-        # recorded, so nothing mistakes it for a drafter the engine serves correctly
-        shipped_cfg = replace(shipped_cfg, extra={**shipped_cfg.extra, "anchor_context": True})
-    shipped = DSparkDrafter(shipped_cfg, *drafter.shared_modules)
+    shipped = DSparkDrafter(drafter.config, *drafter.shared_modules)
     shipped.load_state_dict(drafter.state_dict())
     if tap_scale is not None:
         fold_tap_scale(shipped, tap_scale)

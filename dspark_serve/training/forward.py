@@ -1,6 +1,6 @@
 """The drafter's teacher-forced training forward over packed blocks (paper Eq 2-7, Section 3.3).
 
-The context is built with ``DFlashBackbone.context_kv`` from the target taps of each whole
+The context is built with ``DFlashBackbone.context_state`` and ``context_kv`` from the target taps of each whole
 sequence (so gradients reach fc, hidden_norm and every layer's k/v projections), gathered per
 block and masked to the positions before the block's anchor; ``DFlashBackbone.forward`` runs
 the block slots, the target's frozen LM head gives the base logits U_k, and
@@ -38,12 +38,17 @@ def drafter_forward(drafter: DSparkDrafter, taps: torch.Tensor,
     # Only positions before the last anchor are ever visible.
     ctx_len = max(int(layout.anchor_positions.max()), 1) if layout.num_blocks else 1
     positions = torch.arange(ctx_len, device=taps.device).repeat(s)
-    k, v = drafter.backbone.context_kv(taps[:, :ctx_len].reshape(s * ctx_len, width), positions)
+    h_ctx = drafter.backbone.context_state(taps[:, :ctx_len].reshape(s * ctx_len, width))
+    k, v = drafter.backbone.context_kv(h_ctx, positions)
     k = k.unflatten(1, (s, ctx_len))
     v = v.unflatten(1, (s, ctx_len))
     embed_tokens, lm_head = drafter.shared_modules
     with torch.no_grad():
         block_embeds = embed_tokens(layout.input_ids)
+    if cfg.anchor_context:
+        # training anchors are >= 1 (``anchors.anchor_candidates``), so p - 1 is in the context
+        block_embeds = drafter.backbone.with_anchor_state(
+            block_embeds, h_ctx[layout.seq_index * ctx_len + layout.anchor_positions - 1])
     hidden = drafter.backbone(block_embeds, layout.positions,
                               lambda i: (k[i][layout.seq_index], v[i][layout.seq_index]),
                               layout.context_mask(ctx_len))[:, cfg.label_offset:]

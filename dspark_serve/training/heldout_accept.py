@@ -23,13 +23,12 @@ _ANCHOR_CHUNK = 256
 @torch.no_grad()
 def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
                        max_seqs: int | None = None, tap_scale: torch.Tensor | None = None,
-                       anchor_context: bool = False, autocast: bool = True) -> dict:
+                       autocast: bool = True) -> dict:
     """Acceptance over every anchor of the first ``max_seqs`` cached sequences (all if None).
 
     Args:
         drafter: any drafter with a vanilla Markov head or none (pruned vocabulary or full).
         tap_scale: [C] tap normalisation not yet folded into fc (training), or None.
-        anchor_context: the drafter was trained with ``anchor_context`` (``shared_context``).
         autocast: run under bf16 autocast (as training does).
     Returns:
         {"pos1": float, "cond_accept": [gamma] (NaN where no anchor got that far),
@@ -52,8 +51,7 @@ def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
         for part in anchors.split(_ANCHOR_CHUNK):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 logits, _, _ = shared_context_forward(drafter, seq.taps, seq.ids, part,
-                                                      tap_scale=tap_scale,
-                                                      anchor_context=anchor_context)
+                                                      tap_scale=tap_scale)
             draft.append(logits.argmax(-1))
         draft = torch.cat(draft)
         layout = block_layout([seq.ids], [seq.loss_mask], [anchors],

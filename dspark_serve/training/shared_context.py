@@ -78,7 +78,7 @@ def _layer(layer: DraftLayer, x, cos, sin, ctx_k, ctx_v, anchors, chunk) -> torc
 
 def shared_context_forward(drafter: DSparkDrafter, taps: torch.Tensor, ids: torch.Tensor,
                            anchors: torch.Tensor, *, tap_scale: torch.Tensor | None = None,
-                           anchor_context: bool = False, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backbone hidden states, draft-space logits (Eq 4: U_k + B_k) and confidence logits
     (Eq 7) of the blocks anchored at ``anchors`` in one sequence, teacher-forced on the
     sequence's own tokens.
@@ -92,9 +92,6 @@ def shared_context_forward(drafter: DSparkDrafter, taps: torch.Tensor, ids: torc
             context before its anchor, so p >= 1; its first label p + 1 must exist).
         tap_scale: optional [C] float multiplier applied to the taps before ``fc`` (tap
             normalisation; ``fold_tap_scale`` folds it into fc for saving).
-        anchor_context: also feed the anchor slot the context state of position p - 1,
-            x_0 = embed(anchor) + H_ctx[p - 1] (EAGLE-style; issue 15's A/B option, no new
-            parameters; the serving path does not implement it yet).
         chunk: anchors scored against the context per matmul.
     Returns:
         logits [A, gamma, N] float32, conf_logits [A, gamma] float32 (zeros without a head),
@@ -117,7 +114,7 @@ def shared_context_forward(drafter: DSparkDrafter, taps: torch.Tensor, ids: torc
     backbone = drafter.backbone
     length = int(anchors[-1])
     ctx_in = taps[:length] if tap_scale is None else taps[:length].float() * tap_scale
-    h_ctx = backbone.hidden_norm(backbone.fc(ctx_in.to(backbone.dtype)))
+    h_ctx = backbone.context_state(ctx_in)
     ctx_cos, ctx_sin = rope_cos_sin(torch.arange(length, device=ids.device), cfg.head_dim,
                                     cfg.rope_theta, backbone.dtype)
     offsets = torch.arange(cfg.block_size, device=ids.device)
@@ -127,8 +124,8 @@ def shared_context_forward(drafter: DSparkDrafter, taps: torch.Tensor, ids: torc
     with torch.no_grad():
         x = embed_tokens(block_ids)
     x = x.to(backbone.dtype)
-    if anchor_context:
-        x = torch.cat([x[:, :1] + h_ctx[anchors - 1][:, None].to(x.dtype), x[:, 1:]], dim=1)
+    if cfg.anchor_context:
+        x = backbone.with_anchor_state(x, h_ctx[anchors - 1])
     cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, backbone.dtype)
     for layer in backbone.layers:
         ctx_k, ctx_v = layer.self_attn.keys_values(h_ctx, ctx_cos, ctx_sin)

@@ -15,8 +15,8 @@ _HELP = {
     "model": "target HF folder (default: SmolLM2-135M-Instruct)",
     "reinit": "start from seeded random weights (keep init_from's shape and vocabulary)",
     "mask_token_id": "override the mask token id", "rope_theta": "override the drafter RoPE base",
-    "anchor_context": "A/B only (not served yet): feed the anchor slot the context state of "
-                      "position p - 1",
+    "anchor_context": "feed the anchor slot the context state of position p - 1 "
+                      "(EAGLE-style; saved in the drafter's config)",
     "tap_norm": "scale each target tap by 1/RMS (measured on the cache; folded into fc on save)",
     "steps": "optimizer steps (upper bound with --time-budget-minutes)",
     "seqs_per_step": "cached sequences per step",

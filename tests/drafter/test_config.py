@@ -12,6 +12,9 @@ def test_deepspec_round_trip_keeps_every_key(deepspec_dict):
     assert cfg.context_dim == 5 * 32
     assert cfg.to_deepspec_dict() == raw
     assert DSparkConfig.from_deepspec_dict(cfg.to_deepspec_dict()) == cfg
+    assert not cfg.anchor_context
+    ctx = DSparkConfig.from_deepspec_dict({**raw, "anchor_context": True})
+    assert ctx.anchor_context and ctx.to_deepspec_dict() == {**raw, "anchor_context": True}
 
 
 def test_deepspec_optional_keys_follow_deepspec(deepspec_dict):

@@ -49,3 +49,22 @@ def test_rejects_gaps_and_positions_past_max_len():
     with pytest.raises(ValueError, match="positions must be in"):
         cache.write(torch.tensor([0]), torch.tensor([4 * PAGE_SIZE]),
                     *kv(torch.tensor([0]), torch.tensor([0])))
+
+
+def test_context_states_are_kept_paged_only_when_asked():
+    cache = DraftContextCache(num_layers=2, num_slots=2, max_len=4 * PAGE_SIZE, num_kv_heads=1,
+                              head_dim=2, dtype=torch.float32, device="cpu", state_dim=3)
+    slots = torch.tensor([1] * (2 * PAGE_SIZE + 1))           # grows the store past 2 pages
+    positions = torch.arange(2 * PAGE_SIZE + 1)
+    h = (slots * 1000 + positions).float()[:, None] + torch.tensor([0.0, 0.25, 0.5])
+    cache.write(slots, positions, *kv(slots, positions), h)
+    assert cache.num_pages == 4
+    got = cache.states(torch.tensor([1, 1, 1]), torch.tensor([PAGE_SIZE + 3, 2 * PAGE_SIZE, -1]))
+    assert torch.equal(got, torch.stack([h[PAGE_SIZE + 3], h[2 * PAGE_SIZE], torch.zeros(3)]))
+    with pytest.raises(ValueError, match="exactly when"):
+        cache.write(slots[:1], positions[:1], *kv(slots[:1], positions[:1]))
+    plain = make()
+    with pytest.raises(ValueError, match="exactly when"):
+        plain.write(slots[:1], positions[:1], *kv(slots[:1], positions[:1]), h[:1])
+    with pytest.raises(ValueError, match="no context states"):
+        plain.states(torch.tensor([0]), torch.tensor([0]))

@@ -12,3 +12,8 @@ def test_full_vocabulary_drafter_accepted():
 def test_pruned_draft_vocabulary_refused_with_reason():
     with pytest.raises(ValueError, match="no pruned draft vocabulary"):
         check_drafter_config(deepspec_dict(draft_vocab_size=16))
+
+
+def test_anchor_context_drafter_refused_with_reason():
+    with pytest.raises(ValueError, match="anchor_context"):
+        check_drafter_config(deepspec_dict(anchor_context=True))

@@ -251,21 +251,42 @@ def test_draft_space_loss_gradient_equals_autograd_of_the_plain_formula():
     torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6, rtol=1e-4)
 
 
+def _anchor_context_twin(drafter: DSparkDrafter, target) -> DSparkDrafter:
+    """The same weights with ``anchor_context`` on."""
+    cfg = DSparkConfig(**{**drafter.config.__dict__, "anchor_context": True})
+    twin = DSparkDrafter(cfg, target.embed_tokens, drafter.shared_modules[1])
+    twin.load_state_dict(drafter.state_dict())
+    return twin
+
+
 def test_anchor_context_adds_the_previous_context_state_to_the_anchor_slot(target, make_drafter):
-    drafter = _perturbed(make_drafter, target)
+    plain_drafter = _perturbed(make_drafter, target)
+    drafter = _anchor_context_twin(plain_drafter, target)
     ids = torch.randint(2, VOCAB, (20,), generator=torch.Generator().manual_seed(4))
+    mask = torch.arange(20) >= 3
     taps, _ = _tap_features(target, ids)
     anchors = torch.tensor([3, 8, 15])
     embed = target.embed_tokens
     h_ctx = drafter.backbone.hidden_norm(drafter.backbone.fc(taps[:15]))
-    with_ctx, _, _ = shared_context_forward(drafter, taps, ids, anchors, anchor_context=True)
-    plain, _, _ = shared_context_forward(drafter, taps, ids, anchors)
+    with_ctx, conf, _ = shared_context_forward(drafter, taps, ids, anchors)
+    plain, _, _ = shared_context_forward(plain_drafter, taps, ids, anchors)
     assert not torch.allclose(with_ctx, plain, atol=1e-3)
+    # the packed per-block forward (on-the-fly trainer) and the serving path agree
+    lay = block_layout([ids], [mask], [anchors], block_size=4, label_offset=0, mask_token_id=1)
+    packed, packed_conf = drafter_forward(drafter, taps[None], lay)
+    torch.testing.assert_close(packed, with_ctx, atol=2e-5, rtol=1e-5)
+    cache = drafter.new_cache(2, 32)
+    drafter.extend_context(cache, torch.ones(15, dtype=torch.int64), torch.arange(15), taps[:15])
+    for r, p in enumerate(anchors.tolist()):
+        served, served_conf = drafter.teacher_forced(
+            cache, torch.tensor([1]), ids[p:p + 1], torch.tensor([p]), lay.labels[r:r + 1])
+        torch.testing.assert_close(served[0], with_ctx[r], atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(served_conf[0], conf[r], atol=2e-5, rtol=1e-5)
     # reference: an embedding that adds H_ctx[p - 1] to slot 0 of each block (blocks in order)
-    drafter._shared = (lambda t: embed(t) + torch.where(
+    plain_drafter._shared = (lambda t: embed(t) + torch.where(
         (torch.arange(t.shape[1]) == 0)[None, :, None], h_ctx[anchors - 1][:, None], 0.0),
-        drafter.shared_modules[1])
-    ref, _, _ = shared_context_forward(drafter, taps, ids, anchors)
+        plain_drafter.shared_modules[1])
+    ref, _, _ = shared_context_forward(plain_drafter, taps, ids, anchors)
     torch.testing.assert_close(with_ctx, ref, atol=1e-5, rtol=1e-5)
 
 
