@@ -33,6 +33,9 @@ LOOKUP_GAMMA = BLOCK_SIZE
 # Draft vocabulary the engine prunes a shipped drafter to (96 % coverage of SmolLM2's outputs;
 # the LM-head product and the Markov sampling cost a third of the full vocabulary's).
 DRAFT_VOCAB_SIZE = 16384
+# The shipped DSpark drafter feeds its anchor slot the context state (``anchor_context``),
+# which SGLang's DSpark model cannot; SGLang serves the earlier drafter kept in this folder.
+SGLANG_DRAFTER_KIND = "dspark-sglang"
 
 
 def shipped_lookup_calibration(model_name: str) -> Path | None:
@@ -42,7 +45,8 @@ def shipped_lookup_calibration(model_name: str) -> Path | None:
 
 
 def shipped_drafter_path(model_name: str, kind: str) -> Path | None:
-    """The shipped drafter folder of ``kind`` ("dspark" | "dflash") for a target, if any."""
+    """The shipped drafter folder of ``kind`` ("dspark" | "dflash" | SGLANG_DRAFTER_KIND) for
+    a target, if any."""
     folder = SHIPPED_DIR / model_name / kind
     return folder if (folder / "config.json").is_file() else None
 

@@ -201,7 +201,46 @@ def prune_draft_vocab(path: str | Path, out: str | Path, token_ids: torch.Tensor
     config = read_config(path)
     tensors = _read_tensors(Path(path))
     _prune(config, tensors, token_ids, path)
-    data = config.to_deepspec_dict()
+    _write_folder(path, out, config, tensors)
+    return config
+
+
+def expand_draft_vocab(path: str | Path, out: str | Path) -> DSparkConfig:
+    """The inverse of ``prune_draft_vocab``: write the pruned drafter at ``path`` to ``out``
+    with the full target vocabulary V, ``markov_w2`` [V, r] holding the trained rows at the
+    draft vocabulary's ids and zeros elsewhere (no Markov bias outside), ``d2t`` / ``t2d`` and
+    ``draft_vocab_size`` dropped, other files copied. Pruning the result back to the same ids
+    (``load_drafter(draft_vocab=...)``, ``serve --draft-vocab-size``) gives exactly the drafter
+    at ``path``; unpruned it also drafts tokens outside, which it was never trained on.
+    Returns the new config.
+
+    Raises:
+        ValueError: ``path`` has no pruned draft vocabulary, or an invalid ``d2t``.
+    """
+    config = read_config(path)
+    if config.draft_vocab_size is None:
+        raise ValueError(f"{path} has no pruned draft vocabulary to expand")
+    tensors = _read_tensors(Path(path))
+    d2t = tensors.pop("d2t", None)
+    if d2t is None or d2t.shape != (config.draft_vocab_size,):
+        raise ValueError(f"{path}: draft_vocab_size {config.draft_vocab_size} needs d2t "
+                         f"[{config.draft_vocab_size}]")
+    ids = ids_from_d2t(d2t.long())
+    check_token_ids(ids, config.vocab_size)
+    tensors.pop(T2D_KEY, None)
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:
+        rows = tensors[w2]
+        tensors[w2] = rows.new_zeros(config.vocab_size, rows.shape[1]).index_copy_(0, ids, rows)
+    config.draft_vocab_size = None
+    _write_folder(path, out, config, tensors)
+    return config
+
+
+def _write_folder(path: str | Path, out: str | Path, config: DSparkConfig,
+                  tensors: dict[str, torch.Tensor]) -> None:
+    """``config`` and ``tensors`` as a DeepSpec folder ``out``, with the other files of the
+    folder at ``path`` (calibrations, token ranking) copied."""
     dst = Path(out)
     dst.mkdir(parents=True, exist_ok=True)
     for extra in Path(path).iterdir():
@@ -209,9 +248,8 @@ def prune_draft_vocab(path: str | Path, out: str | Path, token_ids: torch.Tensor
                 and not extra.name.startswith("model-"):
             shutil.copyfile(extra, dst / extra.name)
     save_file(tensors, str(dst / WEIGHTS_FILE), metadata={"format": "pt"})
-    (dst / CONFIG_FILE).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n",
-                                   encoding="utf-8")
-    return config
+    (dst / CONFIG_FILE).write_text(json.dumps(config.to_deepspec_dict(), indent=2,
+                                              sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _prune(config: DSparkConfig, tensors: dict[str, torch.Tensor], token_ids: torch.Tensor,

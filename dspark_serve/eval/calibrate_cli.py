@@ -28,6 +28,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--model", default=None,
                    help="target HF folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--num-prompts", type=int, default=200, help="held-out prompts used")
+    p.add_argument("--max-prompt-tokens", type=int, default=384,
+                   help="longer held-out prompts are skipped (as gen-data does; dspark)")
     p.add_argument("--temperature", type=float, default=1.0, help="serving sampling temperature")
     p.add_argument("--top-p", type=float, default=1.0, help="serving top-p")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
@@ -37,12 +39,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--png", default=None,
                    help="reliability diagram (default: DRAFT/reliability.png)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="the drafter's draft vocabulary as `serve --draft-vocab-size` prunes it "
+                        "(default: as served)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
 
-def heldout_prompts(data: str, limit: int) -> list[str]:
-    """The first ``limit`` held-out ShareGPT prompts of a gen-data folder.
+def heldout_prompts(data: str, limit: int | None) -> list[str]:
+    """The first ``limit`` (None: all) held-out ShareGPT prompts of a gen-data folder.
     Raises ValueError if the prompt set no longer reproduces the folder's split."""
     from dspark_serve.data.prompt_sets import load_prompts
     from dspark_serve.training.dataset import read_split
@@ -70,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
     from dspark_serve.eval.loading import chat_prompts, load_pair
     from dspark_serve.eval.rounds import run_rounds
 
-    pair = load_pair(args.model, args.draft, "dspark", args.dtype)
+    pair = load_pair(args.model, args.draft, "dspark", args.dtype, args.draft_vocab_size)
     if pair.drafter.confidence_head is None:
         raise ValueError(f"{args.draft} has no confidence head: nothing to calibrate")
-    prompts = chat_prompts(pair.tokenizer, heldout_prompts(args.data, args.num_prompts))
+    # ShareGPT has prompts past the target's context (9,150 tokens among the first 160)
+    prompts = [p for p in chat_prompts(pair.tokenizer, heldout_prompts(args.data, None))
+               if len(p) <= args.max_prompt_tokens][:args.num_prompts]
+    if not prompts:
+        raise ValueError(f"no held-out prompt of {args.data} fits --max-prompt-tokens "
+                         f"{args.max_prompt_tokens}")
     rounds = run_rounds(pair.target, pair.drafter, prompts, temperature=args.temperature,
                         top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, eos_ids=pair.eos_ids, seed=args.seed,

@@ -42,6 +42,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--calibration", default=None,
                    help="STS JSON (default: sts_calibration.json beside the drafter, if any)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="the drafter's draft vocabulary as `serve --draft-vocab-size` prunes it "
+                        "(default: as served)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plots", default=None, help="folder for reliability diagram PNGs")
@@ -155,7 +158,8 @@ def evaluate_engine(args: argparse.Namespace, names: list[str]) -> dict:
 
     engine = LLMEngine(EngineConfig(model=args.model, draft=args.draft, speculative=args.kind,
                                     scheduler="static", gamma=args.gamma, dtype=args.dtype,
-                                    max_num_seqs=args.batch_size, seed=args.seed))
+                                    max_num_seqs=args.batch_size, seed=args.seed,
+                                    draft_vocab_size=args.draft_vocab_size))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     report = {"temperature": args.temperature, "draft": args.draft, "gamma": engine.gamma,
               "benchmarks": {}}
@@ -190,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
         report = {**evaluate_engine(args, names), "kind": args.kind}
         print(json.dumps(_no_nan(report)) if args.json else format_report(report))
         return 0
-    pair = load_pair(args.model, args.draft, args.kind, args.dtype)
+    pair = load_pair(args.model, args.draft, args.kind, args.dtype, args.draft_vocab_size)
     gamma = args.gamma or pair.drafter.gamma
     cal_path = args.calibration or Path(pair.draft_path) / "sts_calibration.json"
     temperatures = (load_sts_calibration(cal_path).temperatures_for(gamma)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark_serve.assets.default_drafter import build_drafter, drafter_source
+from dspark_serve.assets.default_drafter import build_drafter, draft_vocab_ids, drafter_source
 from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 from dspark_serve.model.target_model import TargetModel
 
@@ -22,12 +22,16 @@ class Pair:
 
 
 def load_pair(model: str | None, draft: str | None, kind: str = "dspark",
-              dtype: str = "bfloat16") -> Pair:
+              dtype: str = "bfloat16", draft_vocab_size: int | None = None) -> Pair:
     """Load the target (``model``, default SmolLM2-135M-Instruct) and the drafter at ``draft``
-    (default: the drafter of ``kind`` shipped for the target).
+    (default: the drafter of ``kind`` shipped for the target), its draft vocabulary pruned at
+    load as the engine does (``draft_vocab_size`` as ``serve --draft-vocab-size``: None = the
+    default size where the folder ships a token ranking, 0 = the drafter's own), so offline
+    numbers and calibrations are those of the drafter as served.
 
     Raises:
-        ValueError: no drafter given or shipped, or a drafter that does not fit the target.
+        ValueError: no drafter given or shipped, a drafter that does not fit the target, or a
+            draft vocabulary size it cannot be pruned to.
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -41,7 +45,8 @@ def load_pair(model: str | None, draft: str | None, kind: str = "dspark",
         raise ValueError(f"no trained {kind} drafter for {name}: pass --draft")
     target = TargetModel.from_pretrained(path, dtype=dtype,
                                          target_layer_ids=config.target_layer_ids)
-    drafter = build_drafter(target, draft_path, config)
+    drafter = build_drafter(target, draft_path, config,
+                            draft_vocab=draft_vocab_ids(draft_path, config, draft_vocab_size))
     eos = getattr(hf_config, "eos_token_id", None)
     eos_ids = {tokenizer.eos_token_id, *(eos if isinstance(eos, (list, tuple)) else [eos])}
     return Pair(target, drafter, tokenizer, {int(i) for i in eos_ids if i is not None},

@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 
-from dspark_serve.assets.default_drafter import shipped_drafter_path
+from dspark_serve.assets.default_drafter import SGLANG_DRAFTER_KIND, shipped_drafter_path
 from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 from dspark_serve.sglang_plugin import ALGORITHM_NAME
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     model_path = args.model or default_model_path()
     name = Path(model_path).name if args.model else MODEL_NAME
-    draft = args.draft or shipped_drafter_path(name, "dspark")
+    draft = args.draft or shipped_drafter_path(name, SGLANG_DRAFTER_KIND)
     argv = build_sglang_argv(args, model_path, None if draft is None else str(draft))
     env = {**os.environ, **{k: v for k, v in RAGGED_VERIFY_ENV.items() if k not in os.environ}}
     os.execvpe(sys.executable, [sys.executable, "-m", "sglang.launch_server", *argv], env)

@@ -23,10 +23,20 @@ def add_parser(subparsers) -> None:
     p.add_argument("--ranking-only", action="store_true",
                    help="write only the token ranking into --out (the engine prunes the draft "
                         "vocabulary at load: serve --draft-vocab-size)")
+    p.add_argument("--expand", action="store_true",
+                   help="the inverse: write the pruned --draft with the full vocabulary into "
+                        "--out (zero Markov rows outside; the engine prunes it back exactly "
+                        "with the folder's token ranking)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.expand:
+        from dspark_serve.drafter.checkpoint import expand_draft_vocab
+
+        config = expand_draft_vocab(args.draft, args.out)
+        print(f"dspark-serve prune-vocab --expand: {config.vocab_size} tokens -> {args.out}")
+        return 0
     from transformers import AutoTokenizer
 
     from dspark_serve.data.prompt_sets import load_records

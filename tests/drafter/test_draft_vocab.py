@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dspark_serve.assets.default_drafter import draft_vocab_ids
-from dspark_serve.drafter.checkpoint import load_drafter, prune_draft_vocab, save_drafter
+from dspark_serve.drafter.checkpoint import (expand_draft_vocab, load_drafter, prune_draft_vocab,
+                                            read_config, save_drafter)
 from dspark_serve.drafter.draft_vocab import (RANKING_FILE, d2t_from_ids, ids_from_d2t,
                                               load_ranking, most_frequent_tokens, save_ranking,
                                               scatter_to_vocab, t2d_mask, token_ranking,
@@ -105,6 +106,31 @@ def test_pruned_round_trip_and_bad_files(tmp_path, tiny_config, tiny_drafter):
         prune_draft_vocab(tmp_path / "full", tmp_path / "bad", KEEP.flip(0))
     with pytest.raises(ValueError, match="with a weight"):
         load_drafter(tmp_path / "pruned", full.shared_modules[0], lambda h: h)
+
+
+def test_expanded_checkpoint_prunes_back_to_the_pruned_drafter(tmp_path, tiny_config,
+                                                                tiny_drafter):
+    """``expand_draft_vocab`` puts the pruned W2 rows back at their ids (zeros elsewhere) and
+    drops d2t: loading it pruned to the same ids gives the pruned drafter's exact tensors and
+    drafts, so a drafter trained pruned can ship with the full vocabulary and a ranking."""
+    full = tiny_drafter(tiny_config(), seed=2)
+    save_drafter(full, tmp_path / "full")
+    prune_draft_vocab(tmp_path / "full", tmp_path / "pruned", KEEP)
+    expanded = expand_draft_vocab(tmp_path / "pruned", tmp_path / "expanded")
+    assert expanded == full.config == read_config(tmp_path / "expanded")
+    loaded = load_drafter(tmp_path / "expanded", *full.shared_modules)
+    w2 = loaded.state_dict()["markov_head.markov_w2.weight"]
+    assert torch.equal(w2[KEEP], full.state_dict()["markov_head.markov_w2.weight"][KEEP])
+    outside = torch.ones(w2.shape[0], dtype=torch.bool)
+    outside[KEEP] = False
+    assert w2[outside].abs().sum() == 0
+    pruned = load_drafter(tmp_path / "pruned", *full.shared_modules)
+    again = load_drafter(tmp_path / "expanded", *full.shared_modules, draft_vocab=KEEP)
+    for key, tensor in pruned.state_dict().items():
+        assert torch.equal(again.state_dict()[key], tensor), key
+    assert torch.equal(_draft(again, seed=7).probs, _draft(pruned, seed=7).probs)
+    with pytest.raises(ValueError, match="no pruned draft vocabulary"):
+        expand_draft_vocab(tmp_path / "full", tmp_path / "bad")
 
 
 def test_token_ranking_file_round_trip(tmp_path):

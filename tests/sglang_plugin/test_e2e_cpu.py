@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("sglang", reason="sglang not installed (pip install 'dspark-serve[sglang]')")
 
 from dspark_serve.data.prompt_sets import load_prompts  # noqa: E402
-from dspark_serve.assets.default_drafter import shipped_drafter_path  # noqa: E402
+from dspark_serve.assets.default_drafter import (SGLANG_DRAFTER_KIND,  # noqa: E402
+                                                 shipped_drafter_path)
 from dspark_serve.assets.default_model import MODEL_NAME  # noqa: E402
 from dspark_serve.scheduling.cost_table import CostTable  # noqa: E402
 
@@ -70,8 +71,8 @@ def prompts(default_model) -> list[list[int]]:
 def spec_args(tmp_path_factory) -> dict[str, list[str]]:
     """Server flags of each speculative algorithm: the shipped drafter and one flat cost table
     (every positive-survival draft pays off: right for equality, says nothing of speed)."""
-    draft = shipped_drafter_path(MODEL_NAME, "dspark")
-    assert draft is not None, f"no shipped DSpark drafter for {MODEL_NAME}"
+    draft = shipped_drafter_path(MODEL_NAME, SGLANG_DRAFTER_KIND)
+    assert draft is not None, f"no shipped SGLang-compatible DSpark drafter for {MODEL_NAME}"
     table = tmp_path_factory.mktemp("sps") / "flat_sps.json"
     CostTable((1, 4096), (100.0, 100.0), 4096).save(str(table))
     common = ["--speculative-draft-model-path", str(draft),

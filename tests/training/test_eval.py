@@ -133,14 +133,18 @@ def test_calibrate_and_eval_commands_end_to_end(tmp_path, target, make_drafter, 
     save_drafter(drafter, tmp_path / "draft")
     pair = loading.Pair(target, drafter.eval(), FakeTokenizer(), {2}, str(tmp_path / "draft"))
     monkeypatch.setattr(loading, "load_pair", lambda *a, **k: pair)
-    monkeypatch.setattr(calibrate_cli, "heldout_prompts", lambda data, n: ["hello", "a b c", "xyz"])
+    # the 70-token prompt is over max_prompt_tokens: skipped, the next one taken instead
+    monkeypatch.setattr(calibrate_cli, "heldout_prompts",
+                        lambda data, n: ["hello", "x" * 70, "a b c", "xyz", "unused"])
     args = types.SimpleNamespace(kind="dspark", draft=str(tmp_path / "draft"), data="unused",
                                  model=None,
                                  num_prompts=3, temperature=1.0, top_p=1.0, max_new_tokens=24,
-                                 batch_size=2, out=None, png=None, dtype="float32", seed=0)
+                                 batch_size=2, out=None, png=None, dtype="float32", seed=0,
+                                 draft_vocab_size=None, max_prompt_tokens=60)
     assert calibrate_cli.run(args) == 0
     cal = load_sts_calibration(tmp_path / "draft" / "sts_calibration.json")
     assert cal.gamma == 4 and cal.num_samples > 0 and "temperature=1" in cal.dataset
+    assert "prompts=3 " in cal.dataset
     assert (tmp_path / "draft" / "reliability.png").stat().st_size > 1000
     import dspark_serve.data.prompt_sets as prompt_sets
     monkeypatch.setattr(prompt_sets, "load_prompts", lambda name, limit: ["q " + name, "w"])
@@ -148,7 +152,8 @@ def test_calibrate_and_eval_commands_end_to_end(tmp_path, target, make_drafter, 
                                  temperature=0.0,
                                  gamma=None, benchmarks="mtbench,humaneval", limit=2,
                                  max_new_tokens=16, batch_size=2, calibration=None,
-                                 dtype="float32", seed=0, json=True, plots=str(tmp_path / "plots"))
+                                 dtype="float32", seed=0, json=True, plots=str(tmp_path / "plots"),
+                                 draft_vocab_size=None)
     assert eval_cli.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report["benchmarks"]) == {"mtbench", "humaneval"}
@@ -159,6 +164,19 @@ def test_calibrate_and_eval_commands_end_to_end(tmp_path, target, make_drafter, 
     assert report["calibration_file"].endswith("sts_calibration.json")
     assert b["calibration"]["sts"] is not None and len(b["threshold_sweep"]) == 10
     assert (tmp_path / "plots" / "reliability_mtbench_T0.png").is_file()
+
+
+@pytest.mark.slow
+def test_offline_pair_drafts_over_the_served_vocabulary():
+    """``calibrate`` and ``eval`` load the shipped drafter pruned as the engine serves it (the
+    first 16,384 tokens of its ranking), or with its own full vocabulary at size 0."""
+    from dspark_serve.assets.default_drafter import DRAFT_VOCAB_SIZE
+    from dspark_serve.drafter.draft_vocab import load_ranking, top_tokens
+
+    pair = loading.load_pair(None, None)
+    expected = top_tokens(load_ranking(pair.draft_path), DRAFT_VOCAB_SIZE)
+    assert torch.equal(pair.drafter.draft_vocab, expected)
+    assert loading.load_pair(None, None, draft_vocab_size=0).drafter.draft_vocab is None
 
 
 @pytest.mark.slow
@@ -176,7 +194,8 @@ def test_lookup_calibrate_and_engine_eval_commands(tmp_path, capsys):
     args = types.SimpleNamespace(model=None, draft=None, kind="ngram", engine=False,
                                  temperature=0.0, gamma=None, benchmarks="mtbench", limit=2,
                                  max_new_tokens=24, batch_size=2, calibration=None,
-                                 dtype="bfloat16", seed=0, json=True, plots=None)
+                                 dtype="bfloat16", seed=0, json=True, plots=None,
+                                 draft_vocab_size=None)
     capsys.readouterr()
     assert eval_cli.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
