@@ -60,6 +60,8 @@ _IGNORED_PREFIXES = ("rotary_emb.",)
 # Tensors kept at the top level of the state_dict (everything else is the backbone's).
 _TOP_LEVEL = ("markov_head.", "confidence_head.", "d2t")
 T2D_KEY = "t2d"
+# The Markov head's vocabulary-sized W2 rows: the tensor pruning and expanding cut or widen.
+MARKOV_W2_KEY = "markov_head.markov_w2.weight"
 
 
 def read_config(path: str | Path) -> DSparkConfig:
@@ -157,13 +159,7 @@ def from_file_key(key: str) -> str:
 
 def _pruned_head(config: DSparkConfig, tensors: dict[str, torch.Tensor], lm_head):
     """Check ``d2t`` / ``t2d`` (``t2d`` is popped: it is derived) and return the pruned head."""
-    d2t = tensors.get("d2t")
-    if d2t is None or d2t.shape != (config.draft_vocab_size,):
-        raise ValueError(f"a drafter with draft_vocab_size {config.draft_vocab_size} needs d2t "
-                         f"[{config.draft_vocab_size}], got "
-                         f"{None if d2t is None else tuple(d2t.shape)}")
-    ids = ids_from_d2t(d2t.long())
-    check_token_ids(ids, config.vocab_size)
+    ids = _draft_ids(config, tensors)
     t2d = tensors.pop(T2D_KEY, None)
     if t2d is not None and not torch.equal(t2d.bool(), t2d_mask(ids, config.vocab_size)):
         raise ValueError("t2d does not match d2t")
@@ -171,6 +167,18 @@ def _pruned_head(config: DSparkConfig, tensors: dict[str, torch.Tensor], lm_head
     if weight is None:
         raise ValueError("a pruned draft vocabulary needs the target's LM head with a weight")
     return pruned_lm_head(weight, ids)
+
+
+def _draft_ids(config: DSparkConfig, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The draft vocabulary's [N] int64 target ids from ``tensors["d2t"]``, checked."""
+    d2t = tensors.get("d2t")
+    if d2t is None or d2t.shape != (config.draft_vocab_size,):
+        raise ValueError(f"a drafter with draft_vocab_size {config.draft_vocab_size} needs d2t "
+                         f"[{config.draft_vocab_size}], got "
+                         f"{None if d2t is None else tuple(d2t.shape)}")
+    ids = ids_from_d2t(d2t.long())
+    check_token_ids(ids, config.vocab_size)
+    return ids
 
 
 def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -221,17 +229,13 @@ def expand_draft_vocab(path: str | Path, out: str | Path) -> DSparkConfig:
     if config.draft_vocab_size is None:
         raise ValueError(f"{path} has no pruned draft vocabulary to expand")
     tensors = _read_tensors(Path(path))
-    d2t = tensors.pop("d2t", None)
-    if d2t is None or d2t.shape != (config.draft_vocab_size,):
-        raise ValueError(f"{path}: draft_vocab_size {config.draft_vocab_size} needs d2t "
-                         f"[{config.draft_vocab_size}]")
-    ids = ids_from_d2t(d2t.long())
-    check_token_ids(ids, config.vocab_size)
+    ids = _draft_ids(config, tensors)
+    del tensors["d2t"]
     tensors.pop(T2D_KEY, None)
-    w2 = "markov_head.markov_w2.weight"
-    if w2 in tensors:
-        rows = tensors[w2]
-        tensors[w2] = rows.new_zeros(config.vocab_size, rows.shape[1]).index_copy_(0, ids, rows)
+    if MARKOV_W2_KEY in tensors:
+        rows = tensors[MARKOV_W2_KEY]
+        tensors[MARKOV_W2_KEY] = rows.new_zeros(config.vocab_size,
+                                                rows.shape[1]).index_copy_(0, ids, rows)
     config.draft_vocab_size = None
     _write_folder(path, out, config, tensors)
     return config
@@ -260,8 +264,7 @@ def _prune(config: DSparkConfig, tensors: dict[str, torch.Tensor], token_ids: to
         raise ValueError(f"{path} already has a pruned draft vocabulary")
     check_token_ids(token_ids, config.vocab_size)
     config.draft_vocab_size = int(token_ids.numel())
-    w2 = "markov_head.markov_w2.weight"
-    if w2 in tensors:
-        tensors[w2] = tensors[w2].index_select(0, token_ids).contiguous()
+    if MARKOV_W2_KEY in tensors:
+        tensors[MARKOV_W2_KEY] = tensors[MARKOV_W2_KEY].index_select(0, token_ids).contiguous()
     tensors["d2t"] = d2t_from_ids(token_ids)
     tensors[T2D_KEY] = t2d_mask(token_ids, config.vocab_size)
