@@ -41,19 +41,18 @@ class QuantizedWeight:
 
     bits 4: packed uint8 [NB, G, 4, 16, 4] (byte i of lane j of quad u holds q[n, 8u + i] in its
     low nibble and q[n, 8u + 4 + i] in its high one), scales float16 [NB, G, 2, 16] (d, m).
-    bits 8: packed int8 bytes as uint8 [NB, G, 8, 16, 4], scales float16 [NB, G, 16] (d),
-    corr int32 [NB, G, 16] = 128 * sum of the group's q (the kernel's unsigned-input offset).
+    bits 8: packed uint8 [NB, G, 8, 16, 4] holding q + 128 (vpdpbusd multiplies unsigned
+    weight bytes by signed activations), scales float16 [NB, G, 16] (d).
     """
 
     bits: int
     packed: torch.Tensor
     scales: torch.Tensor
-    corr: torch.Tensor
 
     @property
     def kernel_args(self) -> tuple:
-        """(packed, scales, corr, bits): how the compiled kernel takes a weight."""
-        return self.packed, self.scales, self.corr, self.bits
+        """(packed, scales, bits): how the compiled kernel takes a weight."""
+        return self.packed, self.scales, self.bits
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -89,14 +88,11 @@ def quantize_weight(weight: torch.Tensor, bits: int) -> QuantizedWeight:
         q = q.view(nb, LANES, g, 4, 2, 4)           # [nb, j, g, u, nibble, i]
         packed = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
         scales = torch.stack([d, low]).view(2, nb, LANES, g).permute(1, 3, 0, 2).contiguous()
-        return QuantizedWeight(4, packed, scales, torch.empty(0, dtype=torch.int32))
+        return QuantizedWeight(4, packed, scales)
     d = (groups.abs().amax(-1) / 127).half()
-    q = (groups / d.float().clamp(min=1e-30)[..., None]).round().clamp(-127, 127).to(torch.int8)
-    corr = 128 * q.sum(-1, dtype=torch.int32)      # [n, g]
-    packed = q.view(nb, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
-    return QuantizedWeight(8, packed,
-                           d.view(nb, LANES, g).transpose(1, 2).contiguous(),
-                           corr.view(nb, LANES, g).transpose(1, 2).contiguous())
+    q = (groups / d.float().clamp(min=1e-30)[..., None]).round().clamp(-127, 127)
+    packed = (q + 128).to(torch.uint8).view(nb, LANES, g, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return QuantizedWeight(8, packed, d.view(nb, LANES, g).transpose(1, 2).contiguous())
 
 
 def _grid(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,7 +104,7 @@ def _grid(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         q = torch.stack([p & 15, p >> 4], dim=-2)   # [nb, j, g, u, nibble, i]
         d, m = qw.scales.permute(2, 0, 3, 1).reshape(2, n, g).double()
     else:
-        q = qw.packed.view(torch.int8).permute(0, 3, 1, 2, 4)
+        q = qw.packed.permute(0, 3, 1, 2, 4).to(torch.int16) - 128
         d = qw.scales.permute(0, 2, 1).reshape(n, g).double()
         m = torch.zeros_like(d)
     return q.reshape(n, g, GROUP).double(), d, m

@@ -90,8 +90,7 @@ def test_kernel_rejects_bad_inputs():
         quantized_linear(torch.randn(2, 32).bfloat16(), qw)
     kernel = cpu_kernel()
     with pytest.raises(RuntimeError, match="bits"):
-        kernel.quantized_linear(torch.randn(2, 64).bfloat16(), (qw.packed, qw.scales, qw.corr, 5))
+        kernel.quantized_linear(torch.randn(2, 64).bfloat16(), (qw.packed, qw.scales, 5))
     q8 = quantize_weight(torch.randn(16, 64), 8)
-    with pytest.raises(RuntimeError, match="corr"):
-        kernel.quantized_linear(torch.randn(2, 64).bfloat16(),
-                                (q8.packed, q8.scales, q8.corr.float(), 8))
+    with pytest.raises(RuntimeError, match="scales"):
+        kernel.quantized_linear(torch.randn(2, 64).bfloat16(), (q8.packed, q8.scales.float(), 8))

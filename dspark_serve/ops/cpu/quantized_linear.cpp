@@ -1,11 +1,11 @@
 // Quantized linear layers for CPU decode steps: y[M, N] = x[M, K] @ W[N, K]^T with W in groups
 // of 32 weights per row, 4-bit (GGUF Q4_1's grid: w = d * q + m, q in 0..15) or 8-bit (Q8_0's:
-// w = d * q, q in -127..127), one float16 d (and m) per group, and x quantized per row and
-// group of 32 to int8 (x ~ dx * qx, qx = round(x / dx), dx = max |x| / 127: GGUF Q8_1's rule,
-// what llama.cpp multiplies these weights by). Integer dot products (AVX512-VNNI vpdpbusd) over
-// a group, then per group in float32:
+// w = d * q, q in -127..127, stored as q + 128), one float16 d (and m) per group, and x
+// quantized per row and group of 32 to int8 (x ~ dx * qx, qx = round(x / dx),
+// dx = max |x| / 127: GGUF Q8_1's rule, what llama.cpp multiplies these weights by). Integer
+// dot products (AVX512-VNNI vpdpbusd) over a group, then per group in float32:
 //   4-bit: y[r, n] += (d[n, g] dx[r, g]) sum_k q[n, k] qx[r, k] + m[n, g] (dx[r, g] sum_k qx[r, k])
-//   8-bit: y[r, n] += (d[n, g] dx[r, g]) sum_k q[n, k] qx[r, k]
+//   8-bit: y[r, n] += (d[n, g] dx[r, g]) (sum_k (q[n, k] + 128) qx[r, k] - 128 sum_k qx[r, k])
 // Why: torch's int4 CPU kernel converts every weight to floating point for every 4 rows, so a
 // verify block of 8 tokens costs 3x one token; here a weight block is unpacked once per 8 rows
 // and each row adds 8 vpdpbusd per 512 weights, so the cost grows slowly with the rows (the
@@ -35,9 +35,10 @@ constexpr int kRowTile = 8;  // rows sharing one unpacked weight block
 
 #define DSPARK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
-// x [M, K] float32 -> qx [M, K] int8, dx [M, G] (scale), sx [M, G] (dx * sum of qx).
+// x [M, K] float32 -> qx [M, K] int8, dx [M, G] (scale), sx [M, G] (dx * sum of qx), and
+// qs [M, G] = 128 * sum of qx (the 8-bit path's integer offset).
 DSPARK_AVX512 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* qx, float* dx,
-                                 float* sx) {
+                                 float* sx, int32_t* qs) {
   const int64_t G = K / kGroup;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t g = 0; g < G; ++g) {
@@ -54,6 +55,7 @@ DSPARK_AVX512 void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q
       int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
       dx[r * G + g] = d;
       sx[r * G + g] = d * static_cast<float>(sum);
+      qs[r * G + g] = 128 * sum;
     }
   }
 }
@@ -94,14 +96,13 @@ DSPARK_AVX512 inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Rows [r0, r0 + MT) of output block nb (16 channels). Bits 4: the Q4_1 grid (w = d q + m,
-// unsigned nibbles times the signed activations, plus the m term). Bits 8: the Q8_0 grid
-// (w = d q, signed); vpdpbusd takes unsigned x signed bytes, so the activations enter as
-// qx + 128 (their sign bits flipped once by ``qlinear``) and the exact integer correction
-// 128 * sum_k q[n, k] (``corr``, per block and channel) is taken off.
+// Rows [r0, r0 + MT) of output block nb (16 channels). vpdpbusd multiplies unsigned weight
+// bytes by the signed activations, broadcast straight from memory. Bits 4: the Q4_1 grid
+// (w = d q + m: the nibbles, plus the m term). Bits 8: the Q8_0 grid (w = d q, signed), stored
+// as q + 128, so the exact integer offset 128 * sum_k qx[r, k] (``qs``) is taken off.
 template <int Bits, int MT>
-DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, const int32_t* corr,
-                              const int8_t* qx, const float* dx, const float* sx, int64_t nb,
+DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, const int8_t* qx,
+                              const float* dx, const float* sx, const int32_t* qs, int64_t nb,
                               int64_t r0, int64_t G, int64_t K, int64_t N, float* y) {
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
@@ -112,7 +113,6 @@ DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, con
     const uint16_t* sb = scales + block * kLanes * (Bits == 4 ? 2 : 1);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     __m512 m = _mm512_setzero_ps();
-    __m512i c = _mm512_setzero_si512();
     __m512i w[8];
     if constexpr (Bits == 4) {
       m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kLanes)));
@@ -122,28 +122,26 @@ DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, con
         w[2 * u + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low4);
       }
     } else {
-      c = _mm512_loadu_si512(corr + block * kLanes);
       for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(wb + 64 * t);
     }
+    // unrolled, so the accumulators stay in registers (GCC kept the 8-bit ones on the stack)
+#pragma GCC unroll 16
     for (int r = 0; r < MT; ++r) {
       const int8_t* xq = qx + (r0 + r) * K + g * kGroup;
       // two accumulation chains: vpdpbusd's latency, not its throughput, bounds a few rows
       __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
       for (int t = 0; t < 8; t += 2) {
-        int32_t quad[2];
-        std::memcpy(quad, xq + 4 * t, 8);
-        const __m512i x0 = _mm512_set1_epi32(quad[0]), x1 = _mm512_set1_epi32(quad[1]);
-        if constexpr (Bits == 4) {
-          even = _mm512_dpbusd_epi32(even, w[t], x0);
-          odd = _mm512_dpbusd_epi32(odd, w[t + 1], x1);
-        } else {
-          even = _mm512_dpbusd_epi32(even, x0, w[t]);
-          odd = _mm512_dpbusd_epi32(odd, x1, w[t + 1]);
-        }
+        // one 4-byte load per broadcast, so it folds into vpdpbusd's {1to16} memory operand
+        // (an 8-byte load split in general registers cost 3 extra instructions per broadcast)
+        int32_t x0q, x1q;
+        std::memcpy(&x0q, xq + 4 * t, 4);
+        std::memcpy(&x1q, xq + 4 * t + 4, 4);
+        even = _mm512_dpbusd_epi32(even, w[t], _mm512_set1_epi32(x0q));
+        odd = _mm512_dpbusd_epi32(odd, w[t + 1], _mm512_set1_epi32(x1q));
       }
       __m512i isum = _mm512_add_epi32(even, odd);
-      if constexpr (Bits == 8) isum = _mm512_sub_epi32(isum, c);
       const int64_t rg = (r0 + r) * G + g;
+      if constexpr (Bits == 8) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(qs[rg]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(dx[rg])),
                                acc[r]);
       if constexpr (Bits == 4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[rg]), acc[r]);
@@ -152,8 +150,8 @@ DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, con
   for (int r = 0; r < MT; ++r) _mm512_storeu_ps(y + (r0 + r) * N + nb * kLanes, acc[r]);
 }
 
-using RowsFn = void (*)(const uint8_t*, const uint16_t*, const int32_t*, const int8_t*,
-                        const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t,
+using RowsFn = void (*)(const uint8_t*, const uint16_t*, const int8_t*, const float*,
+                        const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                         float*);
 
 template <int Bits, int... Ms>
@@ -169,19 +167,18 @@ bool cpu_supported() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-// A quantized weight as Python passes it: (packed, scales, corr, bits), layouts as in
+// A quantized weight as Python passes it: (packed, scales, bits), layouts as in
 // dspark_serve/ops/quantized_linear.py (QuantizedWeight).
-using QTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, int64_t>;
+using QTuple = std::tuple<at::Tensor, at::Tensor, int64_t>;
 
 struct QWeight {
   const uint8_t* packed;
   const uint16_t* scales;
-  const int32_t* corr;
   int64_t bits, N, K, G;
 };
 
 QWeight check_weight(const QTuple& w, const char* name) {
-  const auto& [packed, scales, corr, bits] = w;
+  const auto& [packed, scales, bits] = w;
   TORCH_CHECK(bits == 4 || bits == 8, name, ": bits must be 4 or 8, got ", bits);
   const int64_t NB = packed.size(0), G = packed.size(1), quads = bits == 4 ? 4 : 8;
   TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kByte &&
@@ -190,11 +187,8 @@ QWeight check_weight(const QTuple& w, const char* name) {
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() &&
                   scales.numel() == NB * G * kLanes * (bits == 4 ? 2 : 1),
               name, ": scales must be contiguous float16, one (bits 8) or two (bits 4) per group");
-  TORCH_CHECK(bits == 4 || (corr.scalar_type() == at::kInt && corr.is_contiguous() &&
-                            corr.numel() == NB * G * kLanes),
-              name, ": corr must be contiguous int32 [N / 16, K / 32, 16]");
-  return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
-          bits == 8 ? corr.data_ptr<int32_t>() : nullptr, bits, NB * kLanes, G * kGroup, G};
+  return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()), bits,
+          NB * kLanes, G * kGroup, G};
 }
 
 // y [M, N] float32 = x [M, K] float32 @ W^T (+ bias [N] bfloat16).
@@ -202,9 +196,8 @@ void qlinear(const float* x, int64_t M, const QWeight& w, const at::Tensor* bias
   const int64_t K = w.K, G = w.G, N = w.N, NB = N / kLanes;
   std::vector<int8_t> qx(M * K);
   std::vector<float> dx(M * G), sx(M * G);
-  quantize_rows(x, M, K, qx.data(), dx.data(), sx.data());
-  if (w.bits == 8)
-    for (auto& v : qx) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // qx + 128
+  std::vector<int32_t> qs(M * G);
+  quantize_rows(x, M, K, qx.data(), dx.data(), sx.data(), qs.data());
   const auto tiles = std::make_integer_sequence<int, kRowTile>{};
   RowsFn full = w.bits == 4 ? rows_fn<4>(kRowTile, tiles) : rows_fn<8>(kRowTile, tiles);
   const int64_t rest = M % kRowTile;
@@ -214,9 +207,9 @@ void qlinear(const float* x, int64_t M, const QWeight& w, const at::Tensor* bias
     for (int64_t nb = begin; nb < end; ++nb) {
       int64_t r0 = 0;
       for (; r0 + kRowTile <= M; r0 += kRowTile)
-        full(w.packed, w.scales, w.corr, qx.data(), dx.data(), sx.data(), nb, r0, G, K, N, y);
+        full(w.packed, w.scales, qx.data(), dx.data(), sx.data(), qs.data(), nb, r0, G, K, N, y);
       if (last != nullptr)
-        last(w.packed, w.scales, w.corr, qx.data(), dx.data(), sx.data(), nb, r0, G, K, N, y);
+        last(w.packed, w.scales, qx.data(), dx.data(), sx.data(), qs.data(), nb, r0, G, K, N, y);
     }
   });
   if (bias != nullptr) {
