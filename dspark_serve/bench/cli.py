@@ -12,6 +12,7 @@ BENCHMARKS = {
     "compare": "dspark_serve.bench.compare",
     "kernels": "dspark_serve.bench.kernels",
     "step": "dspark_serve.bench.step_profile",
+    "draft": "dspark_serve.bench.draft_profile",
     "structured": "dspark_serve.bench.structured",
 }
 
