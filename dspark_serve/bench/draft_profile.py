@@ -57,8 +57,9 @@ def draft_times(target: TargetModel, drafter: DSparkDrafter, requests: int, *, c
 
     Returns:
         {"R", "draft_ms", "backbone_ms", "lm_head_ms", "sampling_ms", "context_us_per_token",
-        "step_ms", "share"}: milliseconds (wall, median), microseconds per context token, and
-        share = draft_ms / step_ms.
+        "step_ms", "share"}: milliseconds (wall, median over repeats; backbone = block
+        forward - LM head and sampling = draft - block forward, per repeat), microseconds per
+        context token, and share = the median over repeats of draft / step time.
     Raises:
         ValueError: requests or context < 1.
     """
