@@ -279,8 +279,9 @@ DSPARK_AVX512 inline __m512 sum16(const __m512* r) {
 // q: [G, D] float32 (contiguous heads); scores: scratch of G * (pos + 16) + 16 * D floats;
 // out: [G, D]. Keys go 16 at a time: converted to float32 once for the G heads, each head's 16
 // dot products reduced together (``sum16``); values are read and converted once, each head's
-// output kept in registers (16 zmm: 4 heads of 64 or 2 of 128 per pass over the values). A token's result depends on its own
-// query and slot only (fixed blocks of 16 keys from position 0).
+// output kept in registers (16 zmm: 4 heads of 64 or 2 of 128 per pass over the values).
+// A token's result depends on its own query and slot only (fixed blocks of 16 keys from
+// position 0).
 template <int D>
 DSPARK_AVX512 void attend(const float* q, int64_t G, const uint16_t* k_cache,
                           const uint16_t* v_cache, const int64_t* pages, int64_t pos, int64_t kvh,
