@@ -57,8 +57,9 @@ class DraftBlock:
 
     tokens:      [R, gamma] int64 draft tokens x_1..x_gamma, sampled left to right.
     probs:       [R, gamma, V] float32 warped draft distributions p_d the tokens were sampled from,
-                 or None when every row is one-hot at its tokens (prompt lookup; built only if
-                 a consumer needs it: ``dense_draft_probs``).
+                 or None when every row is one-hot at its tokens (prompt lookup, a greedy round
+                 of the compiled drafter; built only if a consumer needs it:
+                 ``dense_draft_probs``).
     conf_logits: [R, gamma] float32 raw confidence-head logits (uncalibrated; zeros without a head).
     """
 

@@ -171,4 +171,8 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
     for module in modules:
         if not prepare(module):
             pack_linears(module)
+    if prepare is quantize_linears:   # the layers and the Markov draw as compiled calls
+        drafter.backbone.compile_layers()
+        if drafter.markov_head is not None:
+            drafter.markov_head.compile_draw()
     return drafter

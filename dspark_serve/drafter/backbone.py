@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from dspark_serve.drafter.config import DSparkConfig
+from dspark_serve.drafter.context_cache import DraftContextCache
 from dspark_serve.drafter.layers import DraftLayer, RMSNorm, rope_cos_sin
+from dspark_serve.ops.quantized_linear import QuantizedWeight, cpu_kernel, quantize_weight
 
 # (layer index) -> (ctx_k, ctx_v), each [R, L, Hkv, Dh]; lets callers gather one layer's
 # context at a time instead of materialising all layers at once.
@@ -35,6 +37,61 @@ class DFlashBackbone(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # (kernel module, per-layer 8-bit weights, context weights or None) once
+        # ``compile_layers`` succeeded
+        self._compiled: tuple[object, list[dict], dict | None] | None = None
+
+    @property
+    def compiled(self) -> bool:
+        """Whether ``compiled_forward`` is set up (``compile_layers``)."""
+        return self._compiled is not None
+
+    def compile_layers(self) -> bool:
+        """Run the draft layers as one compiled call each (``ops.cpu`` ``draft_layer``) and the
+        context projection as one more (``draft_context``: fc, hidden_norm and every layer's
+        context keys and values), with 8-bit copies of the projections (q/k/v, k/v and
+        gate/up fused), for inference on a CPU with the quantized-linear kernel (the drafter
+        of an int4 target: ``build_drafter``).
+        The modules keep their parameters; later changes to them are not seen. Returns False
+        (nothing changes) without the kernel, off the CPU, or for shapes it does not take
+        (head_dim 64 or 128, at most 16 query heads per KV head, bfloat16 weights)."""
+        cfg, kernel = self.cfg, cpu_kernel()
+        if (kernel is None or self.fc.weight.device.type != "cpu" or self.dtype != torch.bfloat16
+                or cfg.head_dim not in (64, 128) or cfg.hidden_size % 32 or cfg.context_dim % 32
+                or cfg.intermediate_size % 32
+                or cfg.num_attention_heads // cfg.num_key_value_heads > 16):
+            return False
+
+        def q8(*linears: nn.Linear) -> tuple:
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            return quantize_weight(weight, 8).kernel_args
+
+        def bias(*linears: nn.Linear) -> torch.Tensor | None:
+            if linears[0].bias is None:
+                return None
+            return torch.cat([lin.bias.detach() for lin in linears]).to(torch.bfloat16)
+
+        context = dict(fc=q8(self.fc), hidden_norm=self.hidden_norm.weight.detach().contiguous(),
+                       kv=[q8(layer.self_attn.k_proj, layer.self_attn.v_proj)
+                           for layer in self.layers],
+                       k_norms=[layer.self_attn.k_norm.weight.detach().contiguous()
+                                for layer in self.layers])
+        layers = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(dict(
+                input_norm=layer.input_layernorm.weight.detach().contiguous(),
+                post_norm=layer.post_attention_layernorm.weight.detach().contiguous(),
+                qkv=q8(attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv_bias=bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                o_proj=q8(attn.o_proj), o_bias=bias(attn.o_proj),
+                gate_up=q8(mlp.gate_proj, mlp.up_proj), down=q8(mlp.down_proj),
+                q_norm=attn.q_norm.weight.detach().contiguous(),
+                k_norm=attn.k_norm.weight.detach().contiguous()))
+        if cfg.attention_bias:   # the context kernel takes no biases
+            context = None
+        self._compiled = (kernel, layers, context)
+        return True
 
     @property
     def dtype(self) -> torch.dtype:
@@ -54,6 +111,35 @@ class DFlashBackbone(nn.Module):
             raise ValueError(f"target_hidden must be [N, {self.cfg.context_dim}], got "
                              f"{tuple(target_hidden.shape)}")
         return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    def compiled_context(self, target_hidden: torch.Tensor, positions: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``context_state`` and ``context_kv`` in one compiled call (``compile_layers``;
+        8-bit projections, float32 inside): (h_ctx [N, d], k, v [num_layers, N, Hkv, Dh]),
+        bfloat16; None when not compiled (or the layers have biases).
+
+        Raises:
+            ValueError: taps of the wrong shape.
+        """
+        if self._compiled is None or self._compiled[2] is None:
+            return None
+        if target_hidden.dim() != 2 or target_hidden.shape[1] != self.cfg.context_dim \
+                or positions.shape != target_hidden.shape[:1]:
+            raise ValueError(f"target_hidden must be [N, {self.cfg.context_dim}] for positions "
+                             f"[N], got {tuple(target_hidden.shape)} and "
+                             f"{tuple(positions.shape)}")
+        kernel, _, w = self._compiled
+        cos, sin = self._rope_factors(positions)
+        return kernel.draft_context(target_hidden.to(torch.bfloat16).contiguous(), w["fc"],
+                                    w["hidden_norm"], w["kv"], w["k_norms"], cos, sin,
+                                    self.cfg.rms_norm_eps, self.cfg.num_key_value_heads)
+
+    def _rope_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [N, Dh / 2] float32 of positions [N] (the compiled layers' RoPE tables)."""
+        cfg = self.cfg
+        exponents = torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim
+        angles = positions.reshape(-1, 1).float() / (cfg.rope_theta ** exponents)
+        return angles.cos(), angles.sin()
 
     def context_kv(self, h_ctx: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,3 +188,36 @@ class DFlashBackbone(nn.Module):
             ctx_k, ctx_v = context(i)
             x = layer(x, cos, sin, ctx_k, ctx_v, ctx_mask)
         return self.norm(x)
+
+    def compiled_forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                         cache: DraftContextCache, slots: torch.Tensor,
+                         ctx_lens: torch.Tensor) -> torch.Tensor:
+        """``forward`` through the compiled layers (``compile_layers``), reading the context
+        K/V straight from the cache's pages: block r sees the first ctx_lens[r] context
+        positions of slot slots[r] and its own block. Same numbers as ``forward`` up to the
+        8-bit projections and float32 (not bfloat16) arithmetic inside a layer.
+
+        Args:
+            block_embeds: [R, G, d]; block_positions: [R, G] int64.
+            cache: the drafter's context cache; slots, ctx_lens: [R] int64.
+        Returns:
+            [R, G, d] bfloat16 after the final norm.
+        Raises:
+            RuntimeError: not compiled, or bad shapes / slots / lengths (from the kernel).
+        """
+        if self._compiled is None:
+            raise RuntimeError("compiled_forward needs compile_layers() first")
+        kernel, layers, _ = self._compiled
+        cfg = self.cfg
+        r, g, d = block_embeds.shape
+        cos, sin = self._rope_factors(block_positions.reshape(-1))
+        x = block_embeds.reshape(r * g, d).to(torch.bfloat16).contiguous()
+        table = cache.page_table.contiguous()
+        slots, ctx_lens = slots.contiguous(), ctx_lens.contiguous()
+        for i, w in enumerate(layers):
+            x = kernel.draft_layer(x, w["input_norm"], w["post_norm"], cfg.rms_norm_eps, w["qkv"],
+                         w["qkv_bias"], w["o_proj"], w["o_bias"], w["gate_up"], w["down"],
+                         w["q_norm"], w["k_norm"], cos, sin, cache.k[i], cache.v[i], table,
+                         slots, ctx_lens, cfg.num_attention_heads, cfg.num_key_value_heads,
+                         cfg.head_dim ** -0.5)
+        return self.norm(x.view(r, g, d))

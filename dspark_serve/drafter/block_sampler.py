@@ -23,6 +23,7 @@ from dspark_serve.drafter.draft_vocab import scatter_to_vocab
 from dspark_serve.drafter.markov_head import MarkovHead
 from dspark_serve.ops.extension import use_cuda_kernel
 from dspark_serve.ops.markov import markov_sample, sequential_sample
+from dspark_serve.sampling.warping import GREEDY_TEMPERATURE
 from dspark_serve.types import DraftBlock, SamplingTensors
 
 
@@ -64,6 +65,16 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens:
                                                    confidence_head.proj.bias)
         return markov_sample(base_logits, hidden, head.markov_w1.weight,
                              head.markov_w2.weight, anchor_tokens, sampling, uniforms, *conf)
+    if isinstance(head, MarkovHead) and head.compiled and _unfiltered(sampling, base_logits):
+        # greedy rounds leave probs None: one-hot at the tokens, built only if needed
+        greedy = bool((sampling.temperature < GREEDY_TEMPERATURE).all())
+        tokens, probs = head.draw(base_logits, anchor_tokens, sampling.temperature, uniforms,
+                                  draft_vocab, GREEDY_TEMPERATURE, want_probs=not greedy)
+        if probs is not None and draft_vocab is not None:
+            probs = scatter_to_vocab(probs, draft_vocab, vocab_size)
+        conf = confidence_logits(hidden, _prev_tokens(anchor_tokens, tokens), head,
+                                 confidence_head)
+        return DraftBlock(tokens=tokens, probs=probs, conf_logits=conf)
     bias_step = None
     if head is not None:
         state = head.init_state((r,), hidden)
@@ -81,6 +92,15 @@ def sample_block(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens:
         tokens, probs = draft_vocab[tokens], scatter_to_vocab(probs, draft_vocab, vocab_size)
     conf = confidence_logits(hidden, _prev_tokens(anchor_tokens, tokens), head, confidence_head)
     return DraftBlock(tokens=tokens, probs=probs, conf_logits=conf)
+
+
+def _unfiltered(sampling: SamplingTensors, base_logits: torch.Tensor) -> bool:
+    """Whether the compiled draw applies: bfloat16 CPU logits and rows that warp by temperature
+    alone (top-k off or >= V_d, top-p 1, min-p 0)."""
+    vocab = base_logits.shape[2]
+    return (base_logits.dtype == torch.bfloat16 and not base_logits.is_cuda
+            and bool((((sampling.top_k == 0) | (sampling.top_k >= vocab))
+                      & (sampling.top_p >= 1.0) & (sampling.min_p <= 0.0)).all()))
 
 
 def teacher_forced(base_logits: torch.Tensor, hidden: torch.Tensor, anchor_tokens: torch.Tensor,

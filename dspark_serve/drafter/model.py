@@ -117,8 +117,12 @@ class DSparkDrafter(nn.Module):
             ValueError: bad shapes, slots or positions.
         """
         cache.check_slots(slots)
-        h_ctx = self.backbone.context_state(target_hidden)
-        k, v = self.backbone.context_kv(h_ctx, positions)
+        compiled = self.backbone.compiled_context(target_hidden, positions)
+        if compiled is not None:
+            h_ctx, k, v = compiled
+        else:
+            h_ctx = self.backbone.context_state(target_hidden)
+            k, v = self.backbone.context_kv(h_ctx, positions)
         cache.write(slots, positions, k, v, h_ctx if self.config.anchor_context else None)
 
     def block_forward(self, cache: DraftContextCache, slots: torch.Tensor,
@@ -145,8 +149,6 @@ class DSparkDrafter(nn.Module):
             raise ValueError("every anchor position must be in [0, cached context length]: "
                              "all positions before the anchor need their context")
         cfg = self.config
-        ctx_len = int(anchor_positions.max()) if r else 0
-        ctx_mask = torch.arange(ctx_len, device=slots.device) < anchor_positions[:, None]
         offsets = torch.arange(cfg.block_size, device=slots.device)
         block_ids = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)
         embed_tokens, lm_head = self.shared_modules
@@ -154,9 +156,16 @@ class DSparkDrafter(nn.Module):
         if cfg.anchor_context:
             block_embeds = self.backbone.with_anchor_state(
                 block_embeds, cache.states(slots, anchor_positions - 1))
-        hidden = self.backbone(block_embeds, anchor_positions[:, None] + offsets,
-                               lambda i: cache.context(i, slots, ctx_len),
-                               ctx_mask)[:, cfg.label_offset:]
+        block_positions = anchor_positions[:, None] + offsets
+        if self.backbone.compiled and r:
+            hidden = self.backbone.compiled_forward(block_embeds, block_positions, cache, slots,
+                                                    anchor_positions)
+        else:
+            ctx_len = int(anchor_positions.max()) if r else 0
+            ctx_mask = torch.arange(ctx_len, device=slots.device) < anchor_positions[:, None]
+            hidden = self.backbone(block_embeds, block_positions,
+                                   lambda i: cache.context(i, slots, ctx_len), ctx_mask)
+        hidden = hidden[:, cfg.label_offset:]
         weight = getattr(lm_head, "weight", None)
         return hidden, lm_head(hidden if weight is None else hidden.to(weight.dtype))
 

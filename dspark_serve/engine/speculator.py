@@ -186,7 +186,9 @@ class Speculator:
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
                                        anchor_positions[rows], sampling.select(rows),
                                        uniforms[rows])
-            block = DraftBlock(block.tokens[:, :g], block.probs[:, :g], block.conf_logits[:, :g])
+            block = DraftBlock(block.tokens[:, :g],
+                               None if block.probs is None else block.probs[:, :g],
+                               block.conf_logits[:, :g])
             observe = getattr(self.scheduler, "observe_draft", None)
             if observe is not None:
                 if block.tokens.is_cuda:
@@ -194,14 +196,16 @@ class Speculator:
                 observe(rows.numel(), time.perf_counter() - start)
         if block is None or rows.numel() < r:
             # lookup rows one-hot (probs None: built only where needed), drafter rows copied
-            # in: [R, gamma, V] only when mixing
+            # in: [R, gamma, V] only when mixing with drafter rows that sample
             tokens = lookup_tokens.masked_fill(~taken[:, None], 0)
             probs = None
             conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
             if block is not None:
-                probs = dense_draft_probs(tokens, None, self.vocab_size)
-                tokens[rows], probs[rows] = block.tokens, block.probs
+                tokens[rows] = block.tokens
                 conf_logits[rows] = block.conf_logits
+                if block.probs is not None:
+                    probs = dense_draft_probs(tokens, None, self.vocab_size)
+                    probs[rows] = block.probs
             block = DraftBlock(tokens, probs, conf_logits)
         confidence = torch.ones(r, g, dtype=torch.float32, device=device)
         if self.lookup is not None:

@@ -108,7 +108,8 @@ def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[i
             block = drafter.draft(cache, slots[rows], anchor[rows], anchor_pos[rows],
                                   batch.sampling, draw_uniforms(batch.generators, drafter.gamma,
                                                                 dev))
-            drafts, draft_probs = block.tokens[:, :gamma], block.probs[:, :gamma]
+            drafts = block.tokens[:, :gamma]
+            draft_probs = None if block.probs is None else block.probs[:, :gamma]
             meta = SpecMetadata.build(list(range(0, r * (gamma + 1), gamma + 1)), [gamma] * r,
                                       drafts, draft_probs, gamma, dev)
             ids = torch.cat([anchor[rows, None], drafts], 1)

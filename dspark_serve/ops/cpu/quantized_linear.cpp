@@ -275,29 +275,25 @@ DSPARK_AVX512 inline __m512 sum16(const __m512* r) {
                        _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The G query heads of one token that share KV head kvh, against keys 0..pos of its slot.
-// q: [G, D] float32 (contiguous heads); scores: scratch of G * (pos + 16) + 16 * D floats;
-// out: [G, D]. Keys go 16 at a time: converted to float32 once for the G heads, each head's 16
-// dot products reduced together (``sum16``); values are read and converted once, each head's
-// output kept in registers (16 zmm: 4 heads of 64 or 2 of 128 per pass over the values).
-// A token's result depends on its own query and slot only (fixed blocks of 16 keys from
-// position 0).
-template <int D>
-DSPARK_AVX512 void attend(const float* q, int64_t G, const uint16_t* k_cache,
-                          const uint16_t* v_cache, const int64_t* pages, int64_t pos, int64_t kvh,
-                          int64_t Hkv, int64_t page_size, float scale, float* scores, float* out) {
+// The G query heads of one token that share a KV head, against n keys: key_row(j), value_row(j)
+// give key / value j (bfloat16 [D]; the caller's cache layout). q: [G, D] float32 (contiguous
+// heads); scores: scratch of G * (n + 16) + 16 * D floats; out: [G, D]. Keys go 16 at a time:
+// converted to float32 once for the G heads, each head's 16 dot products reduced together
+// (``sum16``); values are read and converted once, each head's output kept in registers (16
+// zmm: 4 heads of 64 or 2 of 128 per pass over the values). A token's result depends on its
+// own query and keys only (fixed blocks of 16 keys from key 0).
+template <int D, class KeyRow, class ValueRow>
+DSPARK_AVX512 void attend(const float* q, int64_t G, KeyRow key_row, ValueRow value_row, int64_t n,
+                          float scale, float* scores, float* out) {
   constexpr int C = D / 16;
-  const int64_t n = pos + 1, stride = n + 16;
+  const int64_t stride = n + 16;
   float* kf = scores + G * stride;   // [16, D] float32 keys of the current block
-  auto row = [&](const uint16_t* cache, int64_t j) {
-    return cache + ((pages[j / page_size] * Hkv + kvh) * page_size + j % page_size) * D;
-  };
   __m512 top[16];
   for (int64_t g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const int64_t count = std::min<int64_t>(16, n - j0);
     for (int64_t jj = 0; jj < count; ++jj) {
-      const uint16_t* kp = row(k_cache, j0 + jj);
+      const uint16_t* kp = key_row(j0 + jj);
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(kf + jj * D + 16 * c, load_bf16(kp + 16 * c));
     }
     const __mmask16 m = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
@@ -340,7 +336,7 @@ DSPARK_AVX512 void attend(const float* q, int64_t G, const uint16_t* k_cache,
     for (int h = 0; h < HeadsPerPass; ++h)
       for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* vp = row(v_cache, j);
+      const uint16_t* vp = value_row(j);
       __m512 v[C];
       for (int c = 0; c < C; ++c) v[c] = load_bf16(vp + 16 * c);
       for (int h = 0; h < HeadsPerPass; ++h) {
@@ -357,6 +353,15 @@ DSPARK_AVX512 void attend(const float* q, int64_t G, const uint16_t* k_cache,
   }
 }
 
+// Rotates one head v [D] by RoPE factors c, s [D / 2] (rotate-half convention, as Llama/Qwen).
+inline void rope_head(float* v, const float* c, const float* s, int64_t half) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = v[i], b = v[i + half];
+    v[i] = a * c[i] - b * s[i];
+    v[i + half] = b * c[i] + a * s[i];
+  }
+}
+
 // out [T, I] = silu(gate) * up for gate_up [T, 2I] (gate, then up; I % 16 == 0).
 DSPARK_AVX512 void silu_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -368,6 +373,124 @@ DSPARK_AVX512 void silu_mul(const float* gate_up, int64_t T, int64_t I, float* o
       _mm512_storeu_ps(out + t * I + i, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_loadu_ps(g + I + i)));
     }
   }
+}
+
+}  // namespace
+
+namespace {
+
+// The projections and norms of one decoder layer, checked against h [T, H] and the head layout.
+struct LayerWeights {
+  QWeight qkv, o, gate_up, down;
+  const at::Tensor *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+  const uint16_t *input_norm, *post_norm;
+  int64_t T, H, Hq, Hkv, D, I;
+};
+
+const at::Tensor* bias_ptr(const std::optional<at::Tensor>& b) { return b ? &*b : nullptr; }
+
+LayerWeights check_layer(const at::Tensor& h, const at::Tensor& input_norm,
+                         const at::Tensor& post_norm, const QTuple& qkv,
+                         const std::optional<at::Tensor>& qkv_bias, const QTuple& o_proj,
+                         const std::optional<at::Tensor>& o_bias, const QTuple& gate_up,
+                         const std::optional<at::Tensor>& gate_up_bias, const QTuple& down,
+                         const std::optional<at::Tensor>& down_bias, const at::Tensor& cos,
+                         const at::Tensor& sin, int64_t num_heads, int64_t num_kv_heads,
+                         int64_t D) {
+  TORCH_CHECK(cpu_supported(), "the fused layers need AVX512-VNNI");
+  LayerWeights w{check_weight(qkv, "qkv"), check_weight(o_proj, "o_proj"),
+                 check_weight(gate_up, "gate_up"), check_weight(down, "down"),
+                 bias_ptr(qkv_bias), bias_ptr(o_bias), bias_ptr(gate_up_bias),
+                 bias_ptr(down_bias), nullptr, nullptr, 0, 0, num_heads, num_kv_heads, D, 0};
+  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kBFloat16 && h.dim() == 2 &&
+                  h.is_contiguous(), "h must be a contiguous 2-D bfloat16 CPU tensor");
+  w.T = h.size(0);
+  w.H = h.size(1);
+  w.I = w.gate_up.N / 2;
+  const int64_t T = w.T, H = w.H, Hq = w.Hq, Hkv = w.Hkv;
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK((D == 64 || D == 128) && H % 16 == 0,
+              "head_dim must be 64 or 128 and the hidden size a multiple of 16");
+  TORCH_CHECK(Hq / Hkv <= 16, "at most 16 query heads per KV head");
+  TORCH_CHECK(w.qkv.K == H && w.qkv.N == (Hq + 2 * Hkv) * D && w.o.K == Hq * D && w.o.N == H &&
+                  w.gate_up.K == H && w.down.K == w.I && w.down.N == H && w.I % 16 == 0,
+              "projection shapes do not fit the layer");
+  check_bias(qkv_bias, w.qkv.N, "qkv");
+  check_bias(o_bias, H, "o_proj");
+  check_bias(gate_up_bias, w.gate_up.N, "gate_up");
+  check_bias(down_bias, H, "down");
+  TORCH_CHECK(input_norm.scalar_type() == at::kBFloat16 && input_norm.numel() == H &&
+                  post_norm.scalar_type() == at::kBFloat16 && post_norm.numel() == H &&
+                  input_norm.is_contiguous() && post_norm.is_contiguous(),
+              "norm weights must be contiguous bfloat16 [H]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == at::IntArrayRef({T, D / 2}) && sin.sizes() == cos.sizes(),
+              "cos, sin must be contiguous float32 [T, D / 2]");
+  w.input_norm = reinterpret_cast<const uint16_t*>(input_norm.data_ptr());
+  w.post_norm = reinterpret_cast<const uint16_t*>(post_norm.data_ptr());
+  return w;
+}
+
+// The layer up to attention: resid [T, H] float32 = h, qkv [T, (Hq + 2 Hkv) D] float32 =
+// qkv_proj(rms_norm(h)).
+void layer_input(const LayerWeights& w, const at::Tensor& h, double eps,
+                 std::vector<float>& resid, std::vector<float>& qkv) {
+  const int64_t T = w.T, H = w.H;
+  const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
+  std::vector<float> x(T * H);
+  resid.resize(T * H);
+  qkv.resize(T * w.qkv.N);
+  for (int64_t i = 0; i < T * H; ++i) resid[i] = bf16_to_float(hp[i]);
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(&resid[t * H], w.input_norm, H, eps, &x[t * H]);
+  qlinear(x.data(), T, w.qkv, w.qkv_bias, qkv.data());
+}
+
+// The layer after attention: h + o_proj(attn), then the SwiGLU MLP with its residual; returns
+// the new h [T, H] bfloat16 (options of ``like``).
+at::Tensor layer_output(const LayerWeights& w, double eps, std::vector<float>& resid,
+                        const std::vector<float>& attn, const at::Tensor& like) {
+  const int64_t T = w.T, H = w.H, I = w.I;
+  std::vector<float> x(T * H), gu(T * w.gate_up.N), act(T * I), proj(T * H);
+  qlinear(attn.data(), T, w.o, w.o_bias, proj.data());
+  for (int64_t i = 0; i < T * H; ++i) resid[i] += proj[i];
+  for (int64_t t = 0; t < T; ++t) rms_norm_row(&resid[t * H], w.post_norm, H, eps, &x[t * H]);
+  qlinear(x.data(), T, w.gate_up, w.gate_up_bias, gu.data());
+  silu_mul(gu.data(), T, I, act.data());
+  qlinear(act.data(), T, w.down, w.down_bias, proj.data());
+  at::Tensor out = at::empty({T, H}, like.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t i = 0; i < T * H; ++i) op[i] = float_to_bf16(resid[i] + proj[i]);
+  return out;
+}
+
+// Attention of every (token, KV head) pair: attend<D> with the key / value rows the caller's
+// ``rows(t, kvh)`` returns as a pair of callables, over ``count(t)`` keys.
+template <class Rows, class Count>
+void attend_all(const LayerWeights& w, const std::vector<float>& qkv, int64_t longest, double scale,
+                Rows rows, Count count, std::vector<float>& attn) {
+  const int64_t T = w.T, Hq = w.Hq, Hkv = w.Hkv, D = w.D, groups = Hq / Hkv;
+  attn.resize(T * Hq * D);
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(groups * (longest + 16) + 16 * D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / Hkv, kvh = i % Hkv;
+      auto [key_row, value_row] = rows(t, kvh);
+      const float* qt = &qkv[t * w.qkv.N + kvh * groups * D];
+      float* ot = &attn[(t * Hq + kvh * groups) * D];
+      if (D == 64)
+        attend<64>(qt, groups, key_row, value_row, count(t), static_cast<float>(scale),
+                   scores.data(), ot);
+      else
+        attend<128>(qt, groups, key_row, value_row, count(t), static_cast<float>(scale),
+                    scores.data(), ot);
+    }
+  });
+}
+
+void check_pages(const at::Tensor& page_table, const char* what) {
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.is_contiguous() &&
+                  page_table.dim() == 2, what, ": page_table must be contiguous int64 [S, P]");
 }
 
 }  // namespace
@@ -390,44 +513,19 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
                          const at::Tensor& page_table, const at::Tensor& slots,
                          const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads,
                          double scale) {
-  TORCH_CHECK(cpu_supported(), "decoder_layer needs AVX512-VNNI");
-  const QWeight wqkv = check_weight(qkv, "qkv"), wo = check_weight(o_proj, "o_proj"),
-                wgu = check_weight(gate_up, "gate_up"), wd = check_weight(down, "down");
-  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kBFloat16 && h.dim() == 2 &&
-                  h.is_contiguous(), "h must be a contiguous 2-D bfloat16 CPU tensor");
-  const int64_t T = h.size(0), H = h.size(1), Hq = num_heads, Hkv = num_kv_heads;
-  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(1) == Hkv,
+                  v_cache.is_contiguous() && k_cache.dim() == 4 && k_cache.size(1) == num_kv_heads,
               "k_cache, v_cache must be contiguous bfloat16 [num_pages, Hkv, page_size, D]");
-  const int64_t page_size = k_cache.size(2), D = k_cache.size(3), I = wgu.N / 2;
-  TORCH_CHECK((D == 64 || D == 128) && H % 16 == 0,
-              "head_dim must be 64 or 128 and the hidden size a multiple of 16");
-  TORCH_CHECK(Hq / Hkv <= 16, "at most 16 query heads per KV head");
-  TORCH_CHECK(wqkv.K == H && wqkv.N == (Hq + 2 * Hkv) * D && wo.K == Hq * D && wo.N == H &&
-                  wgu.K == H && wd.K == I && wd.N == H && I % 16 == 0,
-              "projection shapes do not fit the layer");
-  check_bias(qkv_bias, wqkv.N, "qkv");
-  check_bias(o_bias, H, "o_proj");
-  check_bias(gate_up_bias, wgu.N, "gate_up");
-  check_bias(down_bias, H, "down");
-  TORCH_CHECK(input_norm.scalar_type() == at::kBFloat16 && input_norm.numel() == H &&
-                  post_norm.scalar_type() == at::kBFloat16 && post_norm.numel() == H &&
-                  input_norm.is_contiguous() && post_norm.is_contiguous(),
-              "norm weights must be contiguous bfloat16 [H]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                  cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.sizes() == at::IntArrayRef({T, D / 2}) && sin.sizes() == cos.sizes(),
-              "cos, sin must be contiguous float32 [T, D / 2]");
-  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.is_contiguous() &&
-                  page_table.dim() == 2 && slots.scalar_type() == at::kLong &&
-                  positions.scalar_type() == at::kLong && slots.is_contiguous() &&
-                  positions.is_contiguous() && slots.numel() == T && positions.numel() == T,
-              "page_table [S, P], slots [T], positions [T] must be contiguous int64");
-  const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
-  const auto* in_w = reinterpret_cast<const uint16_t*>(input_norm.data_ptr());
-  const auto* post_w = reinterpret_cast<const uint16_t*>(post_norm.data_ptr());
+  const int64_t page_size = k_cache.size(2), D = k_cache.size(3);
+  const LayerWeights w = check_layer(h, input_norm, post_norm, qkv, qkv_bias, o_proj, o_bias,
+                                     gate_up, gate_up_bias, down, down_bias, cos, sin, num_heads,
+                                     num_kv_heads, D);
+  const int64_t T = w.T, Hq = w.Hq, Hkv = w.Hkv;
+  check_pages(page_table, "decoder_layer");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && positions.is_contiguous() && slots.numel() == T &&
+                  positions.numel() == T, "slots [T], positions [T] must be contiguous int64");
   const int64_t* pt = page_table.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
   const int64_t* ps = positions.data_ptr<int64_t>();
@@ -442,11 +540,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
     }
   }
 
-  std::vector<float> resid(T * H), x(T * H), q(T * wqkv.N), attn(T * Hq * D), gu(T * wgu.N),
-      act(T * I), proj(T * H);
-  for (int64_t i = 0; i < T * H; ++i) resid[i] = bf16_to_float(hp[i]);
-  for (int64_t t = 0; t < T; ++t) rms_norm_row(&resid[t * H], in_w, H, eps, &x[t * H]);
-  qlinear(x.data(), T, wqkv, qkv_bias ? &*qkv_bias : nullptr, q.data());
+  std::vector<float> resid, q, attn;
+  layer_input(w, h, eps, resid, q);
   // RoPE on the query and key heads, then the keys and values into the cache.
   auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
   auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
@@ -454,15 +549,9 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
   const float* sp = sin.data_ptr<float>();
   const int64_t half = D / 2;
   for (int64_t t = 0; t < T; ++t) {
-    float* row = &q[t * wqkv.N];
-    for (int64_t head = 0; head < Hq + Hkv; ++head) {
-      float* v = row + head * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = v[i], b = v[i + half], c = cp[t * half + i], s = sp[t * half + i];
-        v[i] = a * c - b * s;
-        v[i + half] = b * c + a * s;
-      }
-    }
+    float* row = &q[t * w.qkv.N];
+    for (int64_t head = 0; head < Hq + Hkv; ++head)
+      rope_head(row + head * D, cp + t * half, sp + t * half, half);
     const int64_t page = pt[sl[t] * max_pages + ps[t] / page_size];
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       const int64_t dst = ((page * Hkv + kvh) * page_size + ps[t] % page_size) * D;
@@ -474,29 +563,283 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
       }
     }
   }
-  const int64_t groups = Hq / Hkv;
   int64_t longest = 0;
   for (int64_t t = 0; t < T; ++t) longest = std::max(longest, ps[t] + 1);
-  auto attend_fn = D == 64 ? &attend<64> : &attend<128>;
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * (longest + 16) + 16 * D);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / Hkv, kvh = i % Hkv;
-      attend_fn(&q[t * wqkv.N + kvh * groups * D], groups, kc, vc, pt + sl[t] * max_pages, ps[t],
-                kvh, Hkv, page_size, static_cast<float>(scale), scores.data(),
-                &attn[(t * Hq + kvh * groups) * D]);
+  auto rows = [&](int64_t t, int64_t kvh) {
+    const int64_t* pages = pt + sl[t] * max_pages;
+    auto at = [=](const uint16_t* cache) {
+      return [=](int64_t j) {
+        return cache + ((pages[j / page_size] * Hkv + kvh) * page_size + j % page_size) * D;
+      };
+    };
+    return std::make_pair(at(kc), at(vc));
+  };
+  attend_all(w, q, longest, scale, rows, [&](int64_t t) { return ps[t] + 1; }, attn);
+  return layer_output(w, eps, resid, attn, h);
+}
+
+// One DFlash draft layer (Qwen3: q/k RMSNorm per head before RoPE) over R blocks of B slots
+// (T = R * B flat tokens, block r = tokens r*B..r*B+B-1), the drafter's fast path when its
+// projections are 8-bit (dspark_serve/drafter/backbone.py, same contract as DraftLayer):
+// h [T, H] bfloat16 -> new h [T, H] bfloat16. Every block slot sees the first ctx_lens[r]
+// context positions of slot slots[r] in the drafter's context cache ctx_k / ctx_v
+// [num_pages, page_size, Hkv, D] bfloat16 (page_table[slot, position / page_size]; keys
+// already normed and rotated) and, bidirectionally, the B keys of its own block. Nothing is
+// written to the cache. q_norm, k_norm: [D] bfloat16; cos, sin: [T, D / 2] float32 at the
+// slots' positions. Arithmetic as decoder_layer (float32 inside, block keys and values rounded
+// to bfloat16 like the cache's, h returned in bfloat16).
+at::Tensor draft_layer(const at::Tensor& h, const at::Tensor& input_norm,
+                       const at::Tensor& post_norm, double eps, const QTuple& qkv,
+                       const std::optional<at::Tensor>& qkv_bias, const QTuple& o_proj,
+                       const std::optional<at::Tensor>& o_bias, const QTuple& gate_up,
+                       const QTuple& down, const at::Tensor& q_norm, const at::Tensor& k_norm,
+                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ctx_k,
+                       const at::Tensor& ctx_v, const at::Tensor& page_table,
+                       const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t num_heads,
+                       int64_t num_kv_heads, double scale) {
+  TORCH_CHECK(ctx_k.scalar_type() == at::kBFloat16 && ctx_k.is_contiguous() &&
+                  ctx_v.sizes() == ctx_k.sizes() && ctx_v.scalar_type() == at::kBFloat16 &&
+                  ctx_v.is_contiguous() && ctx_k.dim() == 4 && ctx_k.size(2) == num_kv_heads,
+              "ctx_k, ctx_v must be contiguous bfloat16 [num_pages, page_size, Hkv, D]");
+  const int64_t page_size = ctx_k.size(1), D = ctx_k.size(3);
+  const LayerWeights w = check_layer(h, input_norm, post_norm, qkv, qkv_bias, o_proj, o_bias,
+                                     gate_up, std::nullopt, down, std::nullopt, cos, sin,
+                                     num_heads, num_kv_heads, D);
+  const int64_t T = w.T, Hq = w.Hq, Hkv = w.Hkv, R = slots.numel();
+  check_pages(page_table, "draft_layer");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && ctx_lens.is_contiguous() && ctx_lens.numel() == R,
+              "slots [R], ctx_lens [R] must be contiguous int64");
+  TORCH_CHECK(R > 0 && T % R == 0, "h must hold R blocks of equal size (R = slots.numel())");
+  TORCH_CHECK(q_norm.scalar_type() == at::kBFloat16 && k_norm.scalar_type() == at::kBFloat16 &&
+                  q_norm.numel() == D && k_norm.numel() == D && q_norm.is_contiguous() &&
+                  k_norm.is_contiguous(), "q_norm, k_norm must be contiguous bfloat16 [D]");
+  const int64_t B = T / R, max_pages = page_table.size(1), num_pages = ctx_k.size(0);
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t* cl = ctx_lens.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(sl[r] >= 0 && sl[r] < page_table.size(0) && cl[r] >= 0 &&
+                    cl[r] <= max_pages * page_size, "block ", r, ": slot or context out of range");
+    for (int64_t j = 0; j < (cl[r] + page_size - 1) / page_size; ++j) {
+      const int64_t page = pt[sl[r] * max_pages + j];
+      TORCH_CHECK(page >= 0 && page < num_pages, "block ", r, ": page ", page, " out of range");
     }
-  });
-  qlinear(attn.data(), T, wo, o_bias ? &*o_bias : nullptr, proj.data());
-  for (int64_t i = 0; i < T * H; ++i) resid[i] += proj[i];
-  for (int64_t t = 0; t < T; ++t) rms_norm_row(&resid[t * H], post_w, H, eps, &x[t * H]);
-  qlinear(x.data(), T, wgu, gate_up_bias ? &*gate_up_bias : nullptr, gu.data());
-  silu_mul(gu.data(), T, I, act.data());
-  qlinear(act.data(), T, wd, down_bias ? &*down_bias : nullptr, proj.data());
-  at::Tensor out = at::empty({T, H}, h.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for (int64_t i = 0; i < T * H; ++i) op[i] = float_to_bf16(resid[i] + proj[i]);
-  return out;
+    longest = std::max(longest, cl[r] + B);
+  }
+  std::vector<float> resid, q, attn, normed(D);
+  layer_input(w, h, eps, resid, q);
+  // q/k norms and RoPE; the block's keys and values in bfloat16 [T, Hkv, D], as the cache's.
+  std::vector<uint16_t> bk(T * Hkv * D), bv(T * Hkv * D);
+  const auto* qn = reinterpret_cast<const uint16_t*>(q_norm.data_ptr());
+  const auto* kn = reinterpret_cast<const uint16_t*>(k_norm.data_ptr());
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    float* row = &q[t * w.qkv.N];
+    for (int64_t head = 0; head < Hq + Hkv; ++head) {
+      float* v = row + head * D;
+      rms_norm_row(v, head < Hq ? qn : kn, D, eps, normed.data());
+      std::copy(normed.begin(), normed.end(), v);
+      rope_head(v, cp + t * half, sp + t * half, half);
+    }
+    for (int64_t i = 0; i < Hkv * D; ++i) {
+      bk[t * Hkv * D + i] = float_to_bf16(row[Hq * D + i]);
+      bv[t * Hkv * D + i] = float_to_bf16(row[(Hq + Hkv) * D + i]);
+    }
+  }
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(ctx_k.data_ptr());
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(ctx_v.data_ptr());
+  auto rows = [&](int64_t t, int64_t kvh) {
+    const int64_t r = t / B, n_ctx = cl[r], first = r * B;
+    const int64_t* pages = pt + sl[r] * max_pages;
+    auto at = [=](const uint16_t* cache, const uint16_t* block) {
+      return [=](int64_t j) {
+        return j < n_ctx
+                   ? cache + ((pages[j / page_size] * page_size + j % page_size) * Hkv + kvh) * D
+                   : block + ((first + j - n_ctx) * Hkv + kvh) * D;
+      };
+    };
+    return std::make_pair(at(kc, bk.data()), at(vc, bv.data()));
+  };
+  attend_all(w, q, longest, scale, rows, [&](int64_t t) { return cl[t / B] + B; }, attn);
+  return layer_output(w, eps, resid, attn, h);
+}
+
+// The Markov head's left-to-right draw (paper Eq 4-5) for R blocks of G draft positions over
+// a draft vocabulary of N tokens, one call instead of G rounds of small ops:
+//   logits_k = U_k + W2 W1[x_{k-1}]   (x_0 = the anchor; W2 8-bit through qlinear, float32)
+//   x_k = argmax logits_k              (rows with temperature < greedy_below: first maximum)
+//   x_k ~ softmax(logits_k / T)        (other rows: inverse CDF at uniforms[r, k], the first
+//                                       token whose cumulative mass exceeds u * total)
+// base_logits [R, G, N] bfloat16 (U), w1 [V, r] bfloat16 (the embedding table over target
+// ids), w2 (packed [N, r]), anchors [R] int64 target ids, draft_vocab [N] int64 target id of
+// each draft index (None: N = V, the identity), temperature [R] and uniforms [R, G] float32.
+// Returns tokens [R, G] int64 (target ids) and, when want_probs, probs [R, G, N] float32: the
+// distribution each token was drawn from (a one-hot at the argmax for greedy rows); else an
+// empty tensor. Filters (top-k, top-p, min-p) are the caller's (its PyTorch path).
+std::tuple<at::Tensor, at::Tensor> markov_draw(
+    const at::Tensor& base_logits, const at::Tensor& w1, const QTuple& w2,
+    const at::Tensor& anchors, const std::optional<at::Tensor>& draft_vocab,
+    const at::Tensor& temperature, const at::Tensor& uniforms, double greedy_below,
+    bool want_probs) {
+  TORCH_CHECK(cpu_supported(), "markov_draw needs AVX512-VNNI");
+  const QWeight w = check_weight(w2, "w2");
+  TORCH_CHECK(base_logits.device().is_cpu() && base_logits.scalar_type() == at::kBFloat16 &&
+                  base_logits.dim() == 3 && base_logits.is_contiguous(),
+              "base_logits must be contiguous bfloat16 [R, G, N] on the CPU");
+  const int64_t R = base_logits.size(0), G = base_logits.size(1), N = base_logits.size(2);
+  TORCH_CHECK(w.N == N, "w2 has ", w.N, " outputs, base_logits ", N);
+  TORCH_CHECK(w1.scalar_type() == at::kBFloat16 && w1.is_contiguous() && w1.dim() == 2 &&
+                  w1.size(1) == w.K, "w1 must be contiguous bfloat16 [V, ", w.K, "]");
+  const int64_t V = w1.size(0), rank = w.K;
+  TORCH_CHECK(anchors.scalar_type() == at::kLong && anchors.is_contiguous() &&
+                  anchors.numel() == R, "anchors must be contiguous int64 [R]");
+  TORCH_CHECK(temperature.scalar_type() == at::kFloat && temperature.is_contiguous() &&
+                  temperature.numel() == R, "temperature must be contiguous float32 [R]");
+  TORCH_CHECK(uniforms.scalar_type() == at::kFloat && uniforms.is_contiguous() &&
+                  uniforms.sizes() == at::IntArrayRef({R, G}),
+              "uniforms must be contiguous float32 [R, G]");
+  const int64_t* ids = nullptr;
+  if (draft_vocab) {
+    TORCH_CHECK(draft_vocab->scalar_type() == at::kLong && draft_vocab->is_contiguous() &&
+                    draft_vocab->numel() == N, "draft_vocab must be contiguous int64 [N]");
+    ids = draft_vocab->data_ptr<int64_t>();
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < V, "draft_vocab id ", ids[i], " out of range");
+  } else {
+    TORCH_CHECK(N == V, "without draft_vocab the draft vocabulary is all ", V, " tokens");
+  }
+  const auto* u = reinterpret_cast<const uint16_t*>(base_logits.data_ptr());
+  const auto* table = reinterpret_cast<const uint16_t*>(w1.data_ptr());
+  const float* temp = temperature.data_ptr<float>();
+  const float* unif = uniforms.data_ptr<float>();
+  at::Tensor tokens = at::empty({R, G}, anchors.options());
+  at::Tensor probs = at::empty({want_probs ? R : 0, G, N}, temperature.options());
+  int64_t* tok = tokens.data_ptr<int64_t>();
+  float* pr = want_probs ? probs.data_ptr<float>() : nullptr;
+  std::vector<int64_t> prev(anchors.data_ptr<int64_t>(), anchors.data_ptr<int64_t>() + R);
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(prev[r] >= 0 && prev[r] < V, "anchor ", prev[r], " out of range");
+  std::vector<float> emb(R * rank), logits(R * N);
+  for (int64_t k = 0; k < G; ++k) {
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t i = 0; i < rank; ++i) emb[r * rank + i] = bf16_to_float(table[prev[r] * rank + i]);
+    qlinear(emb.data(), R, w, nullptr, logits.data());
+    for (int64_t r = 0; r < R; ++r) {
+      float* lg = &logits[r * N];
+      const uint16_t* base = u + (r * G + k) * N;
+      for (int64_t i = 0; i < N; ++i) lg[i] += bf16_to_float(base[i]);
+      float* p = pr == nullptr ? nullptr : pr + (r * G + k) * N;
+      int64_t best = 0;
+      if (temp[r] < greedy_below) {
+        for (int64_t i = 1; i < N; ++i)
+          if (lg[i] > lg[best]) best = i;
+        if (p != nullptr) {
+          std::fill(p, p + N, 0.0f);
+          p[best] = 1.0f;
+        }
+      } else {
+        TORCH_CHECK(p != nullptr, "sampled rows need want_probs");
+        const float inv_t = 1.0f / temp[r];
+        float top = -INFINITY;
+        for (int64_t i = 0; i < N; ++i) top = std::max(top, lg[i] * inv_t);
+        double total = 0.0;
+        for (int64_t i = 0; i < N; ++i) total += (p[i] = std::exp(lg[i] * inv_t - top));
+        const float norm = static_cast<float>(1.0 / total);
+        for (int64_t i = 0; i < N; ++i) p[i] *= norm;
+        // inverse CDF; never past the last token with mass (float rounding of the sum)
+        const double target = static_cast<double>(unif[r * G + k]);
+        double cdf = 0.0;
+        best = -1;
+        for (int64_t i = 0; i < N; ++i) {
+          if (p[i] <= 0.0f) continue;
+          best = i;
+          cdf += p[i];
+          if (cdf > target) break;
+        }
+        TORCH_CHECK(best >= 0, "a row without probability mass");
+      }
+      prev[r] = ids == nullptr ? best : ids[best];
+      tok[r * G + k] = prev[r];
+    }
+  }
+  return {tokens, probs};
+}
+
+// The drafter's context of N committed tokens (paper Eq 2-3), the compiled twin of
+// DFlashBackbone.context_state + context_kv: h_ctx = rms_norm(fc(taps)) [N, H], then per draft
+// layer l its keys k_norm(k_proj(h_ctx)) rotated by RoPE and values v_proj(h_ctx). taps [N, C]
+// bfloat16; fc packed [H, C]; hidden_norm [H] bfloat16; kv[l] packed [2 Hkv D, H] (k_proj rows,
+// then v_proj rows); k_norms[l] [D] bfloat16; cos, sin [N, D / 2] float32. Returns h_ctx
+// [N, H], k, v [L, N, Hkv, D], all bfloat16 (the projections read h_ctx as rounded).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> draft_context(
+    const at::Tensor& taps, const QTuple& fc, const at::Tensor& hidden_norm,
+    const std::vector<QTuple>& kv, const std::vector<at::Tensor>& k_norms, const at::Tensor& cos,
+    const at::Tensor& sin, double eps, int64_t num_kv_heads) {
+  TORCH_CHECK(cpu_supported(), "draft_context needs AVX512-VNNI");
+  const QWeight wfc = check_weight(fc, "fc");
+  TORCH_CHECK(taps.device().is_cpu() && taps.scalar_type() == at::kBFloat16 && taps.dim() == 2 &&
+                  taps.is_contiguous() && taps.size(1) == wfc.K,
+              "taps must be contiguous bfloat16 [N, ", wfc.K, "]");
+  const int64_t N = taps.size(0), H = wfc.N, L = kv.size(), Hkv = num_kv_heads;
+  TORCH_CHECK(L > 0 && k_norms.size() == kv.size(), "one kv weight and k_norm per layer");
+  TORCH_CHECK(hidden_norm.scalar_type() == at::kBFloat16 && hidden_norm.numel() == H &&
+                  hidden_norm.is_contiguous() && H % 16 == 0,
+              "hidden_norm must be contiguous bfloat16 [H], H a multiple of 16");
+  const int64_t D = k_norms[0].numel();
+  TORCH_CHECK(Hkv > 0 && (D == 64 || D == 128), "head_dim must be 64 or 128");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.sizes() == at::IntArrayRef({N, D / 2}) && sin.sizes() == cos.sizes(),
+              "cos, sin must be contiguous float32 [N, D / 2]");
+  std::vector<QWeight> wkv;
+  for (int64_t l = 0; l < L; ++l) {
+    wkv.push_back(check_weight(kv[l], "kv"));
+    TORCH_CHECK(wkv[l].K == H && wkv[l].N == 2 * Hkv * D, "kv[", l, "] must be [2 Hkv D, H]");
+    TORCH_CHECK(k_norms[l].scalar_type() == at::kBFloat16 && k_norms[l].numel() == D &&
+                    k_norms[l].is_contiguous(), "k_norms[", l, "] must be contiguous bfloat16 [D]");
+  }
+  const auto* tp = reinterpret_cast<const uint16_t*>(taps.data_ptr());
+  std::vector<float> x(N * wfc.K), y(N * H), h(N * H), out(N * 2 * Hkv * D), normed(D);
+  for (int64_t i = 0; i < N * wfc.K; ++i) x[i] = bf16_to_float(tp[i]);
+  at::Tensor h_ctx = at::empty({N, H}, taps.options());
+  at::Tensor k = at::empty({L, N, Hkv, D}, taps.options()), v = at::empty_like(k);
+  auto* hp = reinterpret_cast<uint16_t*>(h_ctx.data_ptr());
+  auto* kp = reinterpret_cast<uint16_t*>(k.data_ptr());
+  auto* vp = reinterpret_cast<uint16_t*>(v.data_ptr());
+  if (N == 0) return {h_ctx, k, v};
+  qlinear(x.data(), N, wfc, nullptr, y.data());
+  const auto* hn = reinterpret_cast<const uint16_t*>(hidden_norm.data_ptr());
+  for (int64_t t = 0; t < N; ++t) {
+    rms_norm_row(&y[t * H], hn, H, eps, &h[t * H]);
+    for (int64_t i = 0; i < H; ++i) {
+      hp[t * H + i] = float_to_bf16(h[t * H + i]);
+      h[t * H + i] = bf16_to_float(hp[t * H + i]);
+    }
+  }
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t half = D / 2, row = Hkv * D;
+  for (int64_t l = 0; l < L; ++l) {
+    qlinear(h.data(), N, wkv[l], nullptr, out.data());
+    const auto* kn = reinterpret_cast<const uint16_t*>(k_norms[l].data_ptr());
+    for (int64_t t = 0; t < N; ++t) {
+      float* o = &out[t * 2 * row];
+      for (int64_t head = 0; head < Hkv; ++head) {
+        rms_norm_row(o + head * D, kn, D, eps, normed.data());
+        std::copy(normed.begin(), normed.end(), o + head * D);
+        rope_head(o + head * D, cp + t * half, sp + t * half, half);
+      }
+      for (int64_t i = 0; i < row; ++i) {
+        kp[(l * N + t) * row + i] = float_to_bf16(o[i]);
+        vp[(l * N + t) * row + i] = float_to_bf16(o[row + i]);
+      }
+    }
+  }
+  return {h_ctx, k, v};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -504,4 +847,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantized_linear", &quantized_linear,
         "y = x @ W^T, W in 4- or 8-bit groups of 32, x quantized to int8 per group of 32");
   m.def("decoder_layer", &decoder_layer, "one decoder layer with quantized projections");
+  m.def("draft_layer", &draft_layer, "one DFlash draft layer with quantized projections");
+  m.def("draft_context", &draft_context, "the drafter's context states, keys and values");
+  m.def("markov_draw", &markov_draw, "the Markov head's left-to-right draw of a draft block");
 }
