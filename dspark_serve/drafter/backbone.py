@@ -37,9 +37,9 @@ class DFlashBackbone(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # (kernel module, per-layer 8-bit weights, context weights or None) once
-        # ``compile_layers`` succeeded
-        self._compiled: tuple[object, list[dict], dict | None] | None = None
+        # (kernel module, per-layer 8-bit weights, context weights or None, RoPE inverse
+        # frequencies [Dh / 2]) once ``compile_layers`` succeeded
+        self._compiled: tuple[object, list[dict], dict | None, torch.Tensor] | None = None
 
     @property
     def compiled(self) -> bool:
@@ -90,7 +90,9 @@ class DFlashBackbone(nn.Module):
                 k_norm=attn.k_norm.weight.detach().contiguous()))
         if cfg.attention_bias:   # the context kernel takes no biases
             context = None
-        self._compiled = (kernel, layers, context)
+        exponents = torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** exponents)     # as rope_cos_sin computes it
+        self._compiled = (kernel, layers, context, inv_freq)
         return True
 
     @property
@@ -128,7 +130,7 @@ class DFlashBackbone(nn.Module):
             raise ValueError(f"target_hidden must be [N, {self.cfg.context_dim}] for positions "
                              f"[N], got {tuple(target_hidden.shape)} and "
                              f"{tuple(positions.shape)}")
-        kernel, _, w = self._compiled
+        kernel, _, w, _ = self._compiled
         cos, sin = self._rope_factors(positions)
         return kernel.draft_context(target_hidden.to(torch.bfloat16).contiguous(), w["fc"],
                                     w["hidden_norm"], w["kv"], w["k_norms"], cos, sin,
@@ -136,9 +138,7 @@ class DFlashBackbone(nn.Module):
 
     def _rope_factors(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [N, Dh / 2] float32 of positions [N] (the compiled layers' RoPE tables)."""
-        cfg = self.cfg
-        exponents = torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim
-        angles = positions.reshape(-1, 1).float() / (cfg.rope_theta ** exponents)
+        angles = positions.reshape(-1, 1).float() * self._compiled[3]
         return angles.cos(), angles.sin()
 
     def context_kv(self, h_ctx: torch.Tensor,
@@ -207,7 +207,7 @@ class DFlashBackbone(nn.Module):
         """
         if self._compiled is None:
             raise RuntimeError("compiled_forward needs compile_layers() first")
-        kernel, layers, _ = self._compiled
+        kernel, layers = self._compiled[:2]
         cfg = self.cfg
         r, g, d = block_embeds.shape
         cos, sin = self._rope_factors(block_positions.reshape(-1))
