@@ -7,7 +7,10 @@ top-k, top-p, min-p) is ``dspark_serve.sampling.warping.warp_probs``, the same f
 verifier applies to the target, so rejection sampling compares like with like. The bias is
 added in float32 (DeepSpec adds it in the model dtype; float32 keeps bf16 drafters from
 rounding the sum). The draw is ``dspark_serve.ops.markov.sequential_sample``, also the fused
-CUDA kernel's reference; a plain Markov head on a GPU runs that kernel when it is built.
+CUDA kernel's reference; a plain Markov head on a GPU runs that kernel when it is built. On a
+CPU with the quantized-linear kernel (an int4 target's drafter, ``MarkovHead.compile_draw``) a
+plain Markov head draws rows that warp by temperature alone in one compiled call
+(``markov_draw``); an all-greedy round then returns probs None (one-hot at the tokens).
 
 The teacher-forced path evaluates the same per-position computation for given tokens, so its
 logits equal the PyTorch sampling path's bit for bit when fed the sampled tokens (the kernel
