@@ -38,6 +38,7 @@ from dspark_serve.engine.postprocess import postprocess
 from dspark_serve.engine.request import Request
 from dspark_serve.engine.request_scheduler import RequestScheduler
 from dspark_serve.engine.sampling_batch import sampling_batch
+from dspark_serve.model.target_weights import TargetWeights
 from dspark_serve.structured.compiler import GrammarCompiler
 from dspark_serve.structured.spec import GrammarSpec
 from dspark_serve.verify.target_sampler import TargetSampler
@@ -51,12 +52,15 @@ class LLMEngine:
         model_name: served model name. max_model_len: context limit in tokens.
         vocab_size: V. gamma: draft tokens per round (0 without speculation).
         target, kv, speculator, generator: see ``builder.EngineParts``.
+    Args:
+        config: what to load and serve.
+        target_weights: another engine's ``target.weights`` to share (``builder.build_engine``).
     Raises:
         ValueError: an inconsistent configuration (``builder.build_engine``).
     """
 
-    def __init__(self, config: EngineConfig):
-        parts = build_engine(config)
+    def __init__(self, config: EngineConfig, target_weights: TargetWeights | None = None):
+        parts = build_engine(config, target_weights)
         self.config = config
         self.tokenizer, self.model_name = parts.tokenizer, parts.model_name
         self.eos_ids, self.max_model_len = parts.eos_ids, parts.max_model_len

@@ -110,14 +110,14 @@ class ModelRunner:
             [r.prompt_ids + r.output_ids for r in reqs], batch.sampling.select(decode_rows),
             draw_uniforms(batch.generators[:len(reqs)], drafter.gamma if drafter else 0, d), caps)
         plan.lengths = lengths.cpu()
-        plan.gamma = self.gamma
+        plan.gamma = self.gamma if plan.block is not None else 0   # None: a plain step
 
     def constrain_drafts(self, plan: StepPlan, batch: SamplingBatch) -> float:
         """Fit the drafted blocks of grammar-constrained requests to their grammars
         (``structured.masking.constrain_drafts``; shortens ``plan.lengths``); returns the
         seconds spent."""
         states = batch.grammars[:len(plan.decode)]
-        if all(s is None for s in states):
+        if plan.block is None or all(s is None for s in states):
             return 0.0
         start = time.perf_counter()
         uniforms = None

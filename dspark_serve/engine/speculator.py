@@ -149,7 +149,7 @@ class Speculator:
 
     def propose(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
                 texts: list[list[int]], sampling: SamplingTensors, uniforms: torch.Tensor,
-                caps: torch.Tensor) -> tuple[DraftBlock, torch.Tensor]:
+                caps: torch.Tensor) -> tuple[DraftBlock | None, torch.Tensor]:
         """Draft and schedule one round for R requests.
 
         Args:
@@ -161,7 +161,9 @@ class Speculator:
             caps: [R] int64 most draft tokens each request may verify (0..gamma).
         Returns:
             (block: tokens [R, gamma] int64, probs [R, gamma, V] float32, conf_logits
-            [R, gamma] float32; lengths [R] int64 l_r in 0..caps[r]).
+            [R, gamma] float32; lengths [R] int64 l_r in 0..caps[r]). The block is None, and
+            every length 0, when prompt lookup found nothing to verify and the drafter did not
+            run: a plain decode step.
         """
         r, g, device = slots.numel(), self.gamma, slots.device
         by_drafter = torch.ones(r, dtype=torch.bool, device=device)
@@ -179,6 +181,13 @@ class Speculator:
                 caps = caps * taken    # rows nobody drafts verify none
                 by_drafter = torch.zeros_like(by_drafter)
         rows = by_drafter.nonzero().flatten()
+        if self.lookup is not None and not rows.numel() and not bool((caps * taken).any()):
+            # Nothing to verify (no usable match, drafter off): a plain decode step, without
+            # the scheduling and block bookkeeping (~0.4 ms a step on a CPU; half the steps
+            # of prompt lookup at one user). The scheduler would admit nothing and record no
+            # drafter history, so skipping it changes no decision.
+            self._lookup_rounds = None
+            return None, torch.zeros_like(caps)
         block = None
         if rows.numel() or (self.drafter is not None and self.lookup is None):
             self.flush()   # catching up on skipped steps is not this draft's cost

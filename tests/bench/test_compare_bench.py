@@ -45,3 +45,34 @@ def test_llama_amx_build_refused_on_amx_cpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     assert "rebuild" in compare.llama_unavailable(cpu_flags="fpu avx2 amx_tile amx_int8")
     assert compare.llama_unavailable(cpu_flags="fpu avx2 avx512f") is None
+
+
+def test_our_engines_share_weights_and_one_cost_table(monkeypatch, tmp_path):
+    """Every configuration runs on the first engine's target weights, and the first profiled
+    cost table is handed to the others as a file (none profiles nothing)."""
+    import argparse
+    import json
+    from types import SimpleNamespace
+
+    built = []
+
+    class Table:
+        def save(self, path):
+            with open(path, "w") as f:
+                json.dump({"from": "first"}, f)
+
+    class FakeEngine:
+        def __init__(self, config, target_weights=None):
+            table = None if config.cost_table else Table()
+            loaded = None if not config.cost_table else json.load(open(config.cost_table))
+            built.append((config.speculative, target_weights, loaded))
+            self.target = SimpleNamespace(weights=target_weights or f"weights-{len(built)}")
+            self.speculator = (None if config.speculative == "none"
+                               else SimpleNamespace(scheduler=SimpleNamespace(cost_table=table)))
+
+    monkeypatch.setattr(compare, "LLMEngine", FakeEngine)
+    args = argparse.Namespace(draft=None, quantization="int4", cost_table=None)
+    engines = compare._our_engines(["none", "dspark", "hybrid"], args, 4)
+    assert list(engines) == ["none", "dspark", "hybrid"]
+    assert built == [("none", None, None), ("dspark", "weights-1", None),
+                     ("hybrid", "weights-1", {"from": "first"})]

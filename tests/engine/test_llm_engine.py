@@ -8,8 +8,11 @@ import statistics
 
 import pytest
 
+from dspark_serve.engine.config import EngineConfig
+from dspark_serve.engine.llm_engine import LLMEngine
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.scheduling.async_scheduler import PROBE_INTERVAL
+from tests.engine.conftest import COST_TABLE
 
 pytestmark = pytest.mark.slow
 
@@ -141,6 +144,27 @@ def test_int4_target_speculative_equals_plain(make_engine, generate, mtbench_pro
     for rid in prompts:
         assert out[rid].token_ids == plain[rid].token_ids, rid
     assert statistics.mean(c.accepted_length for c in out.values()) > 2.0
+
+
+def test_engine_on_shared_target_weights_equals_plain(make_engine, generate, mtbench_prompts,
+                                                      tmp_path):
+    """An engine built on another engine's target weights (``target_weights``, as ``bench
+    compare`` builds its configurations): the hybrid engine taps layers the plain one does
+    not, reads the same tensors, and its greedy output equals the plain engine's."""
+    prompts = dict(list(mtbench_prompts.items())[:2])
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    config = dict(quantization="int4", max_num_seqs=2, max_model_len=512)
+    plain_engine = make_engine(speculative="none", **config)
+    plain = generate(plain_engine, prompts, params)
+    table = tmp_path / "cost_table.json"
+    COST_TABLE.save(str(table))
+    shared = LLMEngine(EngineConfig(speculative="hybrid", cost_table=str(table), **config),
+                       target_weights=plain_engine.target.weights)
+    assert shared.target.weights is plain_engine.target.weights
+    assert shared.target.target_layer_ids and not plain_engine.target.target_layer_ids
+    out = generate(shared, prompts, params)
+    for rid in prompts:
+        assert out[rid].token_ids == plain[rid].token_ids, rid
 
 
 def test_seeded_sampling_equals_plain_across_batches(engine_for, generate, mtbench_prompts,

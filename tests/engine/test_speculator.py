@@ -80,3 +80,20 @@ def test_hybrid_drafts_only_rows_lookup_does_not_take(monkeypatch):
     assert block.tokens[0].tolist() == [3, 9, 1]
     assert lengths.tolist() == [3, 3, 3]                   # static: every drafted row in full
     assert torch.allclose(block.probs[1:].sum(-1), torch.ones(2, 3))
+
+
+def test_nothing_to_verify_is_a_plain_step():
+    """No row has a lookup match and no drafter runs: no block at all (the engine then takes
+    a plain decode step), every length 0, and no lookup round to learn from; a row that
+    matched but may verify nothing (cap 0) is such a step too."""
+    spec = speculator(scheduler="threshold")
+    texts = [[4, 5, 6, 7], [1, 2, 3]]
+    args = (torch.arange(2), torch.tensor([7, 3]), torch.tensor([3, 2]), texts,
+            SamplingTensors.uniform(2, 0.0), torch.zeros(2, 0), torch.tensor([3, 3]))
+    block, lengths = spec.propose(*args)
+    assert block is None and lengths.tolist() == [0, 0]
+    spec.observe(lengths, [0, 0])                     # nothing recorded, nothing raised
+    block, lengths = propose(spec, caps=(0, 3, 0))     # rows 0 and 2 match, capped at 0
+    assert block is None and lengths.tolist() == [0, 0, 0]
+    block, lengths = propose(spec)
+    assert block is not None and lengths.tolist() == [3, 0, 0]
