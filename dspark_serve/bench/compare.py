@@ -109,11 +109,14 @@ class LlamaRunner:
 
 
 def median_cells(cells: list[CellResult]) -> CellResult:
-    """Per-field median of one (mode, concurrency) cell over rounds."""
+    """Per-field median of one (mode, concurrency) cell over rounds; tau over the rounds that
+    verified any draft (0 = none did: a tau of 1 and a 0 are no tau of 0.5)."""
     med = lambda f: statistics.median(getattr(c, f) for c in cells)
+    taus = [c.tau for c in cells if c.tau > 0]
     return replace(cells[0], output_tokens=int(med("output_tokens")), wall_s=med("wall_s"),
                    user_tok_s=med("user_tok_s"), agg_tok_s=med("agg_tok_s"),
-                   ttft_s=med("ttft_s"), tau=med("tau"), step_ms=med("step_ms"))
+                   ttft_s=med("ttft_s"), tau=statistics.median(taus) if taus else 0.0,
+                   step_ms=med("step_ms"))
 
 
 def with_ratios(cells: list[CellResult]) -> list[Row]:

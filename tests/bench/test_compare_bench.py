@@ -15,7 +15,11 @@ def cell(mode, conc, user, agg, tau=0.0):
 def test_median_over_rounds():
     m = compare.median_cells([cell("ngram", 4, 10, 30), cell("ngram", 4, 30, 10),
                               cell("ngram", 4, 20, 20, tau=2.0)])
-    assert (m.mode, m.concurrency, m.user_tok_s, m.agg_tok_s, m.tau) == ("ngram", 4, 20, 20, 0.0)
+    assert (m.mode, m.concurrency, m.user_tok_s, m.agg_tok_s, m.tau) == ("ngram", 4, 20, 20, 2.0)
+    # tau over the rounds that drafted; none drafted: 0
+    assert compare.median_cells([cell("dspark", 1, 1, 1, 1.0), cell("dspark", 1, 1, 1, 0.0),
+                                 cell("dspark", 1, 1, 1, 1.5)]).tau == 1.25
+    assert compare.median_cells([cell("dspark", 1, 1, 1), cell("dspark", 1, 1, 1)]).tau == 0.0
 
 
 def test_ratios_and_table():
