@@ -4,8 +4,10 @@ llama.cpp (plain and prompt-lookup drafting) on the same GGUF weights, threads a
 What a CPU user would otherwise run is llama.cpp (through llama-cpp-python, the optional
 ``[bench]`` extra). Configurations are measured in interleaved rounds, each round running
 every configuration at every concurrency in a rotated order, so a slow period of a shared
-host lands on all of them alike; each cell reports the median over rounds. Our engine batches
-the C requests of a cell (``bench.serving.run_batch``); llama.cpp's ``Llama`` decodes one
+host lands on all of them alike; each cell reports the median over rounds. Our engine serves
+a cell as C users in a closed loop over ``REQUESTS_PER_USER`` x C prompts, the next prompt
+submitted as soon as a request finishes, its aggregate counted while all C are in flight
+(``bench.serving.run_batch``); llama.cpp's ``Llama`` decodes one
 sequence at a time, as its OpenAI server (``python -m llama_cpp.server``) serves requests, so
 its C requests run one after another: its aggregate tok/s is its single-stream rate and
 tok/s/user counts the decode rate once a request runs (its queueing shows in TTFT).
@@ -41,6 +43,8 @@ LLAMA_CPP_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_F
                         "-DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON "
                         "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_INT8=OFF "
                         "-DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF")
+# prompts per user of a cell of ours (a closed loop: C in flight, 3 C in all)
+REQUESTS_PER_USER = 3
 # prompt-lookup drafts per llama.cpp round (llama-cpp-python's default is 10; ours is 7)
 LLAMA_LOOKUP_TOKENS = 7
 
@@ -196,7 +200,8 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     conc = sorted(args.concurrency)
     runners = _our_engines([m for m in args.configs if m in OUR_MODES], args, max(conc))
-    prompts = chat_prompts(next(iter(runners.values())).tokenizer, max(conc))
+    prompts = chat_prompts(next(iter(runners.values())).tokenizer,
+                           REQUESTS_PER_USER * max(conc))
     llama_modes = [m for m in args.configs if m in LLAMA_MODES]
     reason = llama_unavailable() if llama_modes else None
     if reason:
@@ -205,19 +210,21 @@ def main(args: argparse.Namespace) -> int:
         for mode in llama_modes:
             runners[mode] = LlamaRunner(default_gguf_path(), args.threads, mode != "llama.cpp",
                                         context=2048)
-    def run(name: str, batch: list[list[int]], max_tokens: int) -> CellResult:
+    def run(name: str, users: int, max_tokens: int) -> CellResult:
         runner = runners[name]
-        return (run_batch(runner, batch, max_tokens, name) if name in OUR_MODES
-                else runner.run_batch(batch, max_tokens))
+        if name in OUR_MODES:
+            return run_batch(runner, prompts[:REQUESTS_PER_USER * users], max_tokens, name,
+                             concurrency=users)
+        return runner.run_batch(prompts[:users], max_tokens)
 
     for name in runners:   # warm-up
-        run(name, prompts[:1], 4)
+        run(name, 1, 4)
     cells: dict[tuple[str, int], list[CellResult]] = {}
     names = list(runners)
     for rnd in range(args.rounds):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
             for c in conc:
-                cell = run(name, prompts[:c], args.max_tokens)
+                cell = run(name, c, args.max_tokens)
                 cells.setdefault((name, c), []).append(cell)
                 print(f"# round {rnd + 1} {name} c={c}: {cell.user_tok_s:.1f} tok/s/user",
                       file=sys.stderr, flush=True)
