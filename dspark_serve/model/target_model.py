@@ -103,6 +103,7 @@ class TargetModel:
         self.config = config
         self.weights = weights
         self.target_layer_ids = [int(i) for i in target_layer_ids]
+        self._tapped = frozenset(self.target_layer_ids)
         n = weights.num_layers
         bad = [i for i in self.target_layer_ids if not -1 <= i < n]
         if bad:
@@ -271,7 +272,8 @@ class TargetModel:
         return flat_call(self.weights.head, hidden)
 
     def _tap(self, taps: torch.Tensor, layer: int, h: torch.Tensor) -> None:
-        hidden = self.weights.hidden_size
-        for j, tap_layer in enumerate(self.target_layer_ids):
-            if tap_layer == layer:
-                taps[:, j * hidden:(j + 1) * hidden] = h
+        if layer in self._tapped:   # most layers are not: no loop over the tap list for them
+            hidden = self.weights.hidden_size
+            for j, tap_layer in enumerate(self.target_layer_ids):
+                if tap_layer == layer:
+                    taps[:, j * hidden:(j + 1) * hidden] = h

@@ -91,6 +91,11 @@ class AsyncScheduler:
         self._draft_seconds: dict[int, float] = {}   # R -> moving average of drafting time
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
+        # worth_drafting's last answer without known rows: (R, state version) -> pays. The
+        # answer changes only with R, the history or the drafting times (a new version), so
+        # the steps between drafts (most steps where drafting does not pay) reuse it.
+        self._version = 0
+        self._pays: tuple[tuple[int, int], bool] | None = None
 
     def reset(self) -> None:
         """Forget the history and the drafting times (a new, unrelated run starts)."""
@@ -98,9 +103,11 @@ class AsyncScheduler:
         self._draft_seconds.clear()
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
+        self._version += 1
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         """Record the wall time (seconds) of drafting one block for ``num_requests`` requests."""
+        self._version += 1
         old = self._draft_seconds.get(num_requests)
         self._draft_seconds[num_requests] = (seconds if old is None else
                                              old + DRAFT_TIME_EMA * (seconds - old))
@@ -126,10 +133,18 @@ class AsyncScheduler:
         """
         if num_requests <= 0 or len(self._history) < LAG_STEPS:
             return True
-        known_values = _known_values(known)
-        theta = self._theta(num_requests, known_values, self.draft_seconds(num_requests))
-        best_without = float(self._theta(num_requests, known_values, 0.0, drafting=False).max())
-        if theta.numel() > 1 and float(theta[1:].max()) > best_without:
+        if known is None and self._pays is not None and \
+                self._pays[0] == (num_requests, self._version):
+            pays = self._pays[1]
+        else:
+            known_values = _known_values(known)
+            theta = self._theta(num_requests, known_values, self.draft_seconds(num_requests))
+            best_without = float(self._theta(num_requests, known_values, 0.0,
+                                             drafting=False).max())
+            pays = theta.numel() > 1 and float(theta[1:].max()) > best_without
+            if known is None:
+                self._pays = ((num_requests, self._version), pays)
+        if pays:
             self._skipped = 0
             self._probe_interval = PROBE_INTERVAL
             return True
@@ -182,6 +197,7 @@ class AsyncScheduler:
             drafted = (ranking if num_drafted == num_req else
                        admission.rank_slots(admission.survival(confidence[~known])))
             self._history.append((num_drafted, drafted.cum, drafted.positive))
+            self._version += 1
         return lengths
 
     def _capacity(self, num_drafted: int, known_values: torch.Tensor) -> int:
