@@ -15,7 +15,9 @@ a verify block), and greedy speculative decoding parts from plain decoding at ne
 that happens is a property of the CPU. On AVX512-BF16 + AMX, one-row calls match multi-row
 ones, and the down projection of SmolLM2-135M (K = 1536) changed rows from 130 rows per call,
 K = 8960 from 12. On AVX512-BF16 without AMX, one-row calls take a GEMV path that rounds
-differently for K >= 1536 (seen from 2 rows on), while 2..ROW_BUDGET // K rows all agree. So
+differently for K >= 1536 (seen from 2 rows on), while 2..ROW_BUDGET // K rows all agree.
+Without bfloat16 dot products (AVX512-VNNI only), one-row calls differ in a few rows per
+thousand even at K = 64, too rarely for the probes: one row is always padded there. So
 ``row_limits`` probes each layer shape once per process and calls keep to the row counts that
 gave every row the same bits; a single row is then padded to two where needed. Cost
 (SmolLM2-135M): ~1.5 ms of a ~17 ms decode step without AMX (the padded down projection); with
@@ -23,6 +25,8 @@ AMX ~5 % of a 64-token step and ~20 % of a 256-token prefill step; ~3 s of probe
 start. A layer keeps the limits of the thread count it was built under.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +59,8 @@ def row_limits(call, key: tuple, in_features: int) -> tuple[int, int]:
     key = (*key, torch.get_num_threads())
     if key not in _ROW_LIMITS:
         gen = torch.Generator().manual_seed(0)
-        min_rows, max_rows = 1, min(max(2, ROW_BUDGET // in_features), MAX_ROWS)
+        min_rows = 1 if _native_bf16() else 2
+        max_rows = min(max(2, ROW_BUDGET // in_features), MAX_ROWS)
         for _ in range(2):
             x = torch.randn(max_rows, in_features, generator=gen).to(torch.bfloat16)
             paired = torch.cat([call(row.expand(2, -1))[:1] for row in x.split(1)])
@@ -68,6 +73,20 @@ def row_limits(call, key: tuple, in_features: int) -> tuple[int, int]:
             max_rows = m
         _ROW_LIMITS[key] = (min_rows, max_rows)
     return _ROW_LIMITS[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _native_bf16() -> bool:
+    """Whether the CPU has bfloat16 dot products (AVX512-BF16 or AMX-BF16). Without them
+    oneDNN emulates bfloat16, and its one-row path rounds a few rows in a thousand differently
+    from its GEMM even at K = 64: too rare for the probes to catch (measured on a 2-core Intel
+    Xeon with AVX512-VNNI only), so one-row calls are padded to two there."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

@@ -2,6 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dspark_serve.model import linear
 from dspark_serve.model.linear import (INT4_GROUP, Int4Linear, Linear, QuantizedLinear,
                                        _by_row_chunks, _can_pack, make_head, make_linear,
                                        pack_linears, quantize_linears, row_limits)
@@ -65,12 +66,16 @@ def _kernel_like(single_row_differs: bool, same_up_to: int):
     return call, calls
 
 
-@pytest.mark.parametrize("single_row_differs, same_up_to, expected", [
-    (False, 10 ** 6, (1, 128)), (True, 10 ** 6, (2, 128)), (True, 5, (2, 5)),
-    (False, 2, (1, 2))])
-def test_row_limits_finds_the_invariant_row_counts(single_row_differs, same_up_to, expected):
+@pytest.mark.parametrize("single_row_differs, same_up_to, native, expected", [
+    (False, 10 ** 6, True, (1, 128)), (True, 10 ** 6, True, (2, 128)), (True, 5, True, (2, 5)),
+    (False, 2, True, (1, 2)),
+    # no bfloat16 dot products: one-row calls padded even where the probes saw no difference
+    (False, 10 ** 6, False, (2, 128))])
+def test_row_limits_finds_the_invariant_row_counts(single_row_differs, same_up_to, native,
+                                                   expected, monkeypatch):
+    monkeypatch.setattr(linear, "_native_bf16", lambda: native)
     call, _ = _kernel_like(single_row_differs, same_up_to)
-    key = ("fake", single_row_differs, same_up_to)
+    key = ("fake", single_row_differs, same_up_to, native)
     assert row_limits(call, key, 64) == expected   # 64 << 16 rows: capped at MAX_ROWS = 128
     assert row_limits(lambda x: pytest.fail("probed twice"), key, 64) == expected
 
