@@ -26,12 +26,11 @@ start. A layer keeps the limits of the thread count it was built under.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_serve.ops.cpu_features import native_bf16_cpu
 from dspark_serve.ops.quantized_linear import (cpu_kernel, dequantize_weight, quantize_weight,
                                                quantized_linear)
 
@@ -59,7 +58,7 @@ def row_limits(call, key: tuple, in_features: int) -> tuple[int, int]:
     key = (*key, torch.get_num_threads())
     if key not in _ROW_LIMITS:
         gen = torch.Generator().manual_seed(0)
-        min_rows = 1 if _native_bf16() else 2
+        min_rows = 1 if native_bf16_cpu() else 2
         max_rows = min(max(2, ROW_BUDGET // in_features), MAX_ROWS)
         for _ in range(2):
             x = torch.randn(max_rows, in_features, generator=gen).to(torch.bfloat16)
@@ -73,20 +72,6 @@ def row_limits(call, key: tuple, in_features: int) -> tuple[int, int]:
             max_rows = m
         _ROW_LIMITS[key] = (min_rows, max_rows)
     return _ROW_LIMITS[key]
-
-
-@functools.lru_cache(maxsize=None)
-def _native_bf16() -> bool:
-    """Whether the CPU has bfloat16 dot products (AVX512-BF16 or AMX-BF16). Without them
-    oneDNN emulates bfloat16, and its one-row path rounds a few rows in a thousand differently
-    from its GEMM even at K = 64: too rare for the probes to catch (measured on a 2-core Intel
-    Xeon with AVX512-VNNI only), so one-row calls are padded to two there."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _can_pack(weight: torch.Tensor) -> bool:

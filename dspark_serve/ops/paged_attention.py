@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_serve.ops.cpu_features import native_bf16_cpu
 from dspark_serve.ops.extension import capturing, use_cuda_kernel
 
 # Keys are read in whole blocks of this many positions (see the module docstring); KVCache
@@ -259,14 +260,26 @@ def _attend(q: torch.Tensor, marker: torch.Tensor, k_cache: torch.Tensor, v_cach
         grid = q.new_zeros(r * mq, hq, d)
         grid[plan.token_index] = q
         grid = grid.view(r, mq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * mq, d)
-    scores = torch.matmul(grid, k.to(q.dtype).transpose(-1, -2))
+    dt = _matmul_dtype(q)
+    scores = torch.matmul(grid.to(dt), k.to(dt).transpose(-1, -2))
     # One op scales, masks and promotes the scores to float32 for the softmax.
     scores = torch.add(plan.bias, scores, alpha=d ** -0.5 if scale is None else scale)
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v.to(q.dtype))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(dt), v.to(dt)).to(q.dtype)
     if plan.token_index is None:
         return out.reshape(t, hq, d)
     out = out.view(r, hkv, g, mq, d).permute(0, 3, 1, 2, 4).reshape(r * mq, hq, d)
     return out[plan.token_index]
+
+
+def _matmul_dtype(q: torch.Tensor) -> torch.dtype:
+    """q's dtype, except bfloat16 on a CPU without bfloat16 dot products: there a query row's
+    bits depend on the rows beside it in bfloat16 and in float32 matmuls alike (oneDNN's
+    emulated bfloat16, MKL's float32 blocking; measured on an AVX512-VNNI-only Xeon), so the
+    products run in float64, whose last-bit differences never reach the float32 softmax or
+    the bfloat16 output (the batch-invariance tests pass). The int4 path has its own kernel."""
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not native_bf16_cpu():
+        return torch.float64
+    return q.dtype
 
 
 def _row_keys(cache: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:

@@ -73,7 +73,7 @@ def _kernel_like(single_row_differs: bool, same_up_to: int):
     (False, 10 ** 6, False, (2, 128))])
 def test_row_limits_finds_the_invariant_row_counts(single_row_differs, same_up_to, native,
                                                    expected, monkeypatch):
-    monkeypatch.setattr(linear, "_native_bf16", lambda: native)
+    monkeypatch.setattr(linear, "native_bf16_cpu", lambda: native)
     call, _ = _kernel_like(single_row_differs, same_up_to)
     key = ("fake", single_row_differs, same_up_to, native)
     assert row_limits(call, key, 64) == expected   # 64 << 16 rows: capped at MAX_ROWS = 128
