@@ -183,9 +183,9 @@ class Speculator:
         rows = by_drafter.nonzero().flatten()
         if self.lookup is not None and not rows.numel() and not bool((caps * taken).any()):
             # Nothing to verify (no usable match, drafter off): a plain decode step, without
-            # the scheduling and block bookkeeping (~0.4 ms a step on a CPU; half the steps
-            # of prompt lookup at one user). The scheduler would admit nothing and record no
-            # drafter history, so skipping it changes no decision.
+            # the scheduling and block bookkeeping (~0.3 ms of a CPU step). The scheduler
+            # would admit nothing and record no drafter history, so skipping it changes no
+            # decision.
             self._lookup_rounds = None
             return None, torch.zeros_like(caps)
         block = None
