@@ -198,11 +198,9 @@ class Speculator:
             block = DraftBlock(block.tokens[:, :g],
                                None if block.probs is None else block.probs[:, :g],
                                block.conf_logits[:, :g])
-            observe = getattr(self.scheduler, "observe_draft", None)
-            if observe is not None:
-                if block.tokens.is_cuda:
-                    torch.cuda.synchronize(device)
-                observe(rows.numel(), time.perf_counter() - start)
+            if block.tokens.is_cuda:
+                torch.cuda.synchronize(device)
+            draft_seconds = time.perf_counter() - start
         if block is None or rows.numel() < r:
             # lookup rows one-hot (probs None: built only where needed), drafter rows copied
             # in: [R, gamma, V] only when mixing with drafter rows that sample
@@ -229,6 +227,10 @@ class Speculator:
         # the async scheduler sizes K from lagged drafter survival; lookup rows' is current
         lengths = (self.scheduler(confidence, ~by_drafter)
                    if isinstance(self.scheduler, AsyncScheduler) else self.scheduler(confidence))
+        # this draft's time informs later steps only: its K must not depend on its own drafts
+        observe = getattr(self.scheduler, "observe_draft", None)
+        if observe is not None and rows.numel():
+            observe(rows.numel(), draft_seconds)
         return block, torch.minimum(lengths, caps)
 
     def _allowed(self, caps: torch.Tensor) -> torch.Tensor:
