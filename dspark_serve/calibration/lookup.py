@@ -159,6 +159,13 @@ class OnlineLookupSurvival:
         ``LookupCalibration.confidence``. Raises ValueError if gamma exceeds the table's."""
         return _survival_rows(self.table(), match_len, gamma)
 
+    def best_case(self, gamma: int) -> torch.Tensor:
+        """[gamma] float32 conditional survival of a row at least as likely to survive as any
+        match length's, at every position: its survival a_k is the largest a_k of the table's
+        rows (an upper bound for deciding whether lookup can pay at all)."""
+        cum = self.table()[:, :gamma].double().cumprod(1).amax(0)
+        return (cum / torch.cat([cum.new_ones(1), cum[:-1]]).clamp(min=1e-12)).clamp(0, 1).float()
+
     def observe(self, match_len, num_verified, num_accepted) -> None:
         """Count verified rounds: [N] int match lengths (>= 1), drafts verified, drafts
         accepted (<= verified). Raises ValueError for impossible counts."""

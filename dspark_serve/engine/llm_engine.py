@@ -173,6 +173,7 @@ class LLMEngine:
         for req in [r for r in plan.verify_requests if r.finished]:
             self.scheduler.release(req)
         stats.step_seconds = time.perf_counter() - start
+        self.runner.observe_step(run, stats.step_seconds)
         stats.grammar_seconds = run.grammar_seconds + verdict.grammar_seconds
         self._step_stats.append(stats)
         if failure is not None:

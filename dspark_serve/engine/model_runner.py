@@ -31,7 +31,8 @@ class ModelRun:
 
     meta: the verify layout; logits: [N, V] float32; taps: [T, C] target taps of every flat
     token; starts: flat index of each request's first token (decoding, then prefill
-    requests); grammar_seconds: time spent fitting drafts to grammars.
+    requests); grammar_seconds: time spent fitting drafts to grammars; batch_tokens: T of a
+    step without prefill tokens (what the verify-length scheduler prices), else None.
     """
 
     meta: SpecMetadata
@@ -39,6 +40,7 @@ class ModelRun:
     taps: torch.Tensor
     starts: list[int]
     grammar_seconds: float
+    batch_tokens: int | None = None
 
 
 class ContextUpdates:
@@ -93,7 +95,8 @@ class ModelRunner:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)
         out = self.target.forward(as_tensor(ids), as_tensor(slots), as_tensor(pos), self.kv,
                                   meta.logit_indices)
-        return ModelRun(meta, out.logits, out.taps, starts, grammar_seconds)
+        return ModelRun(meta, out.logits, out.taps, starts, grammar_seconds,
+                        None if plan.prefill else len(ids))
 
     def propose(self, plan: StepPlan, batch: SamplingBatch) -> None:
         """Draft and schedule the decoding requests (fills plan.block / plan.lengths)."""
@@ -134,6 +137,12 @@ class ModelRunner:
         """Hand the step's verify outcomes to the speculator (lookup survival follows them)."""
         if self.speculator is not None and plan.block is not None:
             self.speculator.observe(plan.lengths, verdict.num_accepted[:len(plan.decode)])
+
+    def observe_step(self, run: ModelRun, seconds: float) -> None:
+        """Hand the step's wall time (seconds) to the speculator, which prices verification
+        by served steps (``Speculator.observe_step``)."""
+        if self.speculator is not None:
+            self.speculator.observe_step(run.batch_tokens, seconds)
 
     def extend_context(self, updates: ContextUpdates, taps: torch.Tensor) -> None:
         """Hand the committed tokens' taps ([T, C] of the step's flat tokens) to the drafter."""

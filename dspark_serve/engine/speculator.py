@@ -110,14 +110,23 @@ class Speculator:
         self._lookup_rounds: tuple[np.ndarray, np.ndarray] | None = None
         # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._step_draft_seconds = 0.0    # the drafter's wall time in the current step
 
     def should_draft(self, num_requests: int) -> bool:
         """Whether this step proposes for its R decoding requests: the scheduler's
         ``worth_drafting`` where it has one (async: drafting must pay for its own time), else
-        always; always with ``always_draft`` and with prompt lookup (cheap; ``propose`` then
-        decides whether the drafter runs, knowing the lookup rows' survival). False means a
-        plain decode step (verify lengths 0)."""
-        return self.lookup is not None or self._drafter_pays(num_requests, None)
+        always; always with ``always_draft``. With prompt lookup: unless the scheduler finds
+        that even lookup's best calibrated survival cannot pay for verification at this R
+        (``verifying_pays``) and the drafter does not pay either; ``propose`` then decides
+        whether the drafter runs, knowing the lookup rows' survival. False means a plain
+        decode step (verify lengths 0)."""
+        if self.lookup is None:
+            return self._drafter_pays(num_requests, None)
+        decide = getattr(self.scheduler, "verifying_pays", None)
+        if self.always_draft or decide is None or \
+                decide(num_requests, self.lookup_survival.best_case(self.gamma)):
+            return True
+        return self.drafter is not None and self._drafter_pays(num_requests, None)
 
     def _drafter_pays(self, num_requests: int, known: torch.Tensor | None) -> bool:
         decide = getattr(self.scheduler, "worth_drafting", None)
@@ -201,6 +210,7 @@ class Speculator:
             if block.tokens.is_cuda:
                 torch.cuda.synchronize(device)
             draft_seconds = time.perf_counter() - start
+            self._step_draft_seconds = draft_seconds
         if block is None or rows.numel() < r:
             # lookup rows one-hot (probs None: built only where needed), drafter rows copied
             # in: [R, gamma, V] only when mixing with drafter rows that sample
@@ -232,6 +242,16 @@ class Speculator:
         if observe is not None and rows.numel():
             observe(rows.numel(), draft_seconds)
         return block, torch.minimum(lengths, caps)
+
+    def observe_step(self, batch_tokens: int | None, seconds: float) -> None:
+        """End of an engine step: its wall time (seconds) less this step's drafting prices B
+        target positions for the scheduler (``AsyncScheduler.observe_step``). batch_tokens:
+        the step's positions, or None when prefill tokens shared it (not a decode step's
+        price)."""
+        draft, self._step_draft_seconds = self._step_draft_seconds, 0.0
+        observe = getattr(self.scheduler, "observe_step", None)
+        if observe is not None and batch_tokens is not None:
+            observe(batch_tokens, seconds - draft)
 
     def _allowed(self, caps: torch.Tensor) -> torch.Tensor:
         """[R, gamma] bool: slot k of row r may be verified (k < caps[r])."""

@@ -84,11 +84,17 @@ def profile_sps(step: StepFn, batch_tokens: list[int], context_lens: list[int], 
     """Median wall time of ``step(B, C)`` for every B in ``batch_tokens`` and C in
     ``context_lens``, after ``warmup`` untimed calls per probe.
 
-    Probes are timed in ``repeats`` rounds, each running every (B, C) once (B ascending), and a
-    probe keeps its median over the rounds. A shared host has slow periods seconds long (other
+    Probes are timed in ``repeats`` rounds, each running every (B, C) once (the first B
+    ascending), and a probe keeps its median over the rounds. A shared host has slow periods seconds long (other
     tenants; measured 2x step times on this project's 2-core CPU): timed probe by probe, such a
     period inflates whichever few B it overlaps and bends SPS(B), whose ratios between B's are
-    what the scheduler uses; interleaved, it costs every B one round. The first round stops
+    what the scheduler uses; interleaved, it costs every B one round. Later rounds run B
+    descending, each timed call right after an untimed one of the same probe, as a serving
+    step follows steps of about its size: on a CPU a small step right after a large one is
+    slow, and recovers over several steps (SmolLM2 int4, one core: B = 1 took 12 ms right
+    after B = 128, 7.2 ms in a run of B = 1 steps). Timed in ascending rounds, B = 1 came out
+    at 10.4-11.1 ms against 7.3-7.7 ms served, above B = 2: a 2-token verify looked as cheap
+    as plain decoding, and the scheduler drafted where it lost. The first round stops
     after the first B at which ``time_budget_s / repeats`` seconds are spent, counted from the
     end of the very first warm-up (every context length measured up to that B); later rounds
     time only the probes of the first.
@@ -138,8 +144,10 @@ def profile_sps(step: StepFn, batch_tokens: list[int], context_lens: list[int], 
                 break
         bar.total = len(samples) * repeats
         for _ in range(repeats - 1):
-            for b in measured:
+            for b in reversed(measured):
                 for c in context_lens:
+                    step(b, c)   # untimed: the timed call follows one of its own shape
+                    sync()
                     samples[b, c].append(timed(b, c))
                     bar.update()
     return SpsProfile(tuple(measured), tuple(context_lens),

@@ -46,6 +46,11 @@ it does): a probe costs a whole draft plus a verify (measured: fixed probes ever
 made plain serving ~10 % slower on a 2-core CPU). Where the drafter pays, this changes nothing;
 where it cannot (a weak drafter, a CPU), serving falls back to plain decoding instead of
 running slower than it.
+
+Beyond the paper: served step times. The engine reports each decode step's wall time outside
+drafting (``observe_step``), and SPS(B) is the profile corrected by them
+(``step_cost.MeasuredStepCost``), so a profile that made verification look cheap stops
+buying draft tokens that do not pay. Lossless for the same reason: finished steps only.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ import torch
 
 from dspark_serve.scheduling import admission
 from dspark_serve.scheduling.cost_table import CostTable
+from dspark_serve.scheduling.step_cost import MeasuredStepCost
 
 # Steps between the survival used for K and the step it schedules (zero-overhead scheduling).
 LAG_STEPS = 2
@@ -84,6 +90,7 @@ class AsyncScheduler:
             raise TypeError(f"cost_table must be a CostTable, got {type(cost_table).__name__}")
         self.gamma = gamma
         self.cost_table = cost_table
+        self.step_cost = MeasuredStepCost(cost_table)
         self.max_batch_tokens = max_batch_tokens
         # Per past drafted step: (R', cumulative ranked survival [R'*gamma + 1] f64,
         # #slots with a > 0).
@@ -91,16 +98,20 @@ class AsyncScheduler:
         self._draft_seconds: dict[int, float] = {}   # R -> moving average of drafting time
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
-        # worth_drafting's last answer without known rows: (R, state version) -> pays. The
-        # answer changes only with R, the history or the drafting times (a new version), so
-        # the steps between drafts (most steps where drafting does not pay) reuse it.
+        # worth_drafting's last answer without known rows: (R, state versions) -> pays. The
+        # answer changes only with R, the history, the drafting times or the step prices (new
+        # versions), so the steps between drafts (most steps where drafting does not pay)
+        # reuse it.
         self._version = 0
-        self._pays: tuple[tuple[int, int], bool] | None = None
+        self._pays: tuple[tuple[int, int, int], bool] | None = None
+        self._verify_pays: tuple[tuple, bool] | None = None   # verifying_pays' last answer
 
     def reset(self) -> None:
-        """Forget the history and the drafting times (a new, unrelated run starts)."""
+        """Forget the history, the drafting and the served step times (a new, unrelated run
+        starts)."""
         self._history.clear()
         self._draft_seconds.clear()
+        self.step_cost = MeasuredStepCost(self.cost_table)
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
         self._version += 1
@@ -111,6 +122,11 @@ class AsyncScheduler:
         old = self._draft_seconds.get(num_requests)
         self._draft_seconds[num_requests] = (seconds if old is None else
                                              old + DRAFT_TIME_EMA * (seconds - old))
+
+    def observe_step(self, batch_tokens: int, seconds: float) -> None:
+        """Record a served decode step: B target positions (R + verified drafts, no prefill)
+        and its wall time outside drafting, in seconds (``MeasuredStepCost.observe``)."""
+        self.step_cost.observe(batch_tokens, seconds)
 
     def draft_seconds(self, num_requests: int) -> float:
         """Estimated drafting seconds for R requests: the average measured at the nearest R
@@ -133,8 +149,8 @@ class AsyncScheduler:
         """
         if num_requests <= 0 or len(self._history) < LAG_STEPS:
             return True
-        if known is None and self._pays is not None and \
-                self._pays[0] == (num_requests, self._version):
+        key = (num_requests, self._version, self.step_cost.version)
+        if known is None and self._pays is not None and self._pays[0] == key:
             pays = self._pays[1]
         else:
             known_values = _known_values(known)
@@ -143,7 +159,7 @@ class AsyncScheduler:
                                              drafting=False).max())
             pays = theta.numel() > 1 and float(theta[1:].max()) > best_without
             if known is None:
-                self._pays = ((num_requests, self._version), pays)
+                self._pays = (key, pays)
         if pays:
             self._skipped = 0
             self._probe_interval = PROBE_INTERVAL
@@ -154,6 +170,22 @@ class AsyncScheduler:
             self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
             return True
         return False
+
+    def verifying_pays(self, num_requests: int, best_case: torch.Tensor) -> bool:
+        """Whether verifying any draft can beat a plain decode step of R requests if every
+        row's drafts had the conditional survival ``best_case`` ([gamma] float, an upper
+        bound: prompt lookup's best calibrated row) and cost nothing to propose. False: the
+        engine proposes nothing this step (on a CPU whose step time grows about linearly in
+        B, at 16 users, no lookup draft pays, and looking up every row each step cost ~6 %
+        of serving). Reads only the step prices and R: lossless."""
+        if num_requests <= 0:
+            return False
+        key = (num_requests, tuple(best_case.tolist()), self.step_cost.version)
+        if self._verify_pays is None or self._verify_pays[0] != key:
+            known = best_case.reshape(1, -1).expand(num_requests, -1)
+            theta = self._theta(0, _known_values(known), 0.0)
+            self._verify_pays = (key, theta.numel() > 1 and float(theta[1:].max()) > float(theta[0]))
+        return self._verify_pays[1]
 
     def capacity(self, num_requests: int) -> int:
         """K, the draft tokens step t may verify, from the survival of step t-2 (see module
@@ -211,7 +243,7 @@ class AsyncScheduler:
         then decode one token each), merged with ``known_values`` ([n] float64 survival of
         the known rows, any order; module docstring)."""
         num_req = num_drafted + known_values.numel() // self.gamma
-        limit = admission.batch_limit(num_req, self.max_batch_tokens, self.cost_table)
+        limit = admission.batch_limit(num_req, self.max_batch_tokens, self.step_cost)
         num_slots = num_drafted * self.gamma
         if not drafting or num_drafted == 0:
             cum, admissible = torch.zeros(1, dtype=torch.float64), 0
@@ -226,7 +258,7 @@ class AsyncScheduler:
             cum = torch.cat([merged.new_zeros(1), merged.cumsum(0)])
             admissible += positive.numel()
         max_k = admission.max_admissions(num_req, admissible, limit)
-        return admission.throughput_curve(cum, num_req, max_k, self.cost_table, overhead_s)
+        return admission.throughput_curve(cum, num_req, max_k, self.step_cost, overhead_s)
 
 
 def _known_values(known: torch.Tensor | None) -> torch.Tensor:

@@ -64,3 +64,15 @@ def test_greedy_rounds_walk_p_to_p_plus_n_plus_1():
     assert (m, d, a) == ([1, 5], [3, 3], [3, 2])
     # no earlier occurrence of the anchor: a round without drafts
     assert greedy_lookup_rounds([5], [6, 7], gamma=3) == ([0], [0], [0])
+
+
+@pytest.mark.parametrize("prior,expected", [
+    ([[0.5, 0.5, 0.5], [0.9, 0.8, 0.7]], [0.9, 0.8, 0.7]),        # one row dominates
+    # rows cross: a = (0.5, 0.5, 0.5) and (0.9, 0.27, 0.081) -> max (0.9, 0.5, 0.5)
+    ([[0.5, 1.0, 1.0], [0.9, 0.3, 0.3]], [0.9, 0.5 / 0.9, 1.0]),
+])
+def test_best_case_survival_bounds_every_match_length(prior, expected):
+    best = OnlineLookupSurvival(prior).best_case(3)
+    assert best.tolist() == pytest.approx(expected, abs=1e-6)
+    assert OnlineLookupSurvival(prior).best_case(2).tolist() == pytest.approx(expected[:2],
+                                                                              abs=1e-6)

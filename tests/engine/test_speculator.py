@@ -97,3 +97,33 @@ def test_nothing_to_verify_is_a_plain_step():
     assert block is None and lengths.tolist() == [0, 0, 0]
     block, lengths = propose(spec)
     assert block is not None and lengths.tolist() == [3, 0, 0]
+
+
+def test_served_step_time_reaches_the_scheduler_without_drafting():
+    """The engine's step wall time, less the step's own drafting, prices B; a step with
+    prefill tokens prices nothing; schedulers without ``observe_step`` are left alone."""
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    spec = speculator(drafter)
+    spec.extend(torch.tensor([0] * 5 + [1] * 3 + [2] * 2 + [3] * 2),
+                torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 0, 1]),
+                torch.randn(12, drafter.config.context_dim))
+    spec.observe_step(4, 1.0)                         # static scheduler: nothing to tell
+
+    class Recorder:
+        def __init__(self, inner):
+            self.inner, self.seen = inner, []
+
+        def __call__(self, confidence):
+            return self.inner(confidence)
+
+        def observe_step(self, batch_tokens, seconds):
+            self.seen.append((batch_tokens, seconds))
+
+    spec.scheduler = Recorder(spec.scheduler)
+    propose(spec, uniforms_cols=drafter.gamma)        # the drafter drafts rows 1 and 2
+    drafted = spec._step_draft_seconds
+    assert drafted > 0
+    spec.observe_step(9, 1.0)
+    spec.observe_step(3, 1.0)                         # a plain step: nothing drafted
+    spec.observe_step(None, 1.0)                      # prefill tokens shared the step
+    assert spec.scheduler.seen == [(9, pytest.approx(1.0 - drafted)), (3, 1.0)]

@@ -62,8 +62,11 @@ def test_profile_medians_and_order(clock):
                        progress=False)
     assert prof.batch_tokens == (1, 2, 4) and prof.context_lens == (16, 64)
     probes = [(b, c) for b in (1, 2, 4) for c in (16, 64)]
-    # first round: warm-up + one timed call per probe; then 4 rounds over every probe
-    assert clock.calls == [p for p in probes for _ in range(2)] + probes * 4
+    # first round: warm-up + one timed call per probe; then 4 rounds over every probe, B
+    # descending (B = 1 never right after the largest B), each timed call after an untimed one
+    # of the same probe
+    later = [p for b in (4, 2, 1) for p in [(b, 16), (b, 16), (b, 64), (b, 64)]]
+    assert clock.calls == [p for p in probes for _ in range(2)] + later * 4
     assert clock.syncs == len(clock.calls)
     for c in (16, 64):
         assert prof.step_seconds[c] == pytest.approx([clock.step_time(b, c) for b in (1, 2, 4)])
@@ -90,7 +93,7 @@ def test_time_budget_stops_growing_b(clock):
                        progress=False)
     assert prof.batch_tokens == (1, 2)
     assert len(prof.step_seconds[0]) == 2
-    assert clock.calls == [(1, 0), (1, 0), (2, 0), (2, 0), (1, 0), (2, 0)]
+    assert clock.calls == [(1, 0), (1, 0), (2, 0), (2, 0), (2, 0), (2, 0), (1, 0), (1, 0)]
 
 
 @pytest.mark.parametrize("kwargs", [

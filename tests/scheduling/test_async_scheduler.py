@@ -213,3 +213,20 @@ def test_worth_drafting_weighs_the_drafter_against_lookup_rows_alone():
     sched.observe_draft(1, 10.0)
     # ~4.4 s of drafting (moving average) for 0.75 expected tokens: the lookup row alone wins
     assert not sched.worth_drafting(1, lookup)
+
+
+def test_verifying_pays_only_where_a_best_case_draft_beats_a_plain_step():
+    """Step time proportional to B (a CPU at many users): no draft short of certain survival
+    pays, so lookup need not run; a flat table: any positive survival pays. The answer
+    follows served step prices."""
+    linear = CostTable(tuple(range(1, 65)), tuple(1 / b for b in range(1, 65)), 64)
+    best = torch.tensor([0.9, 0.8])
+    assert not make_scheduler("async", gamma=2, cost_table=linear).verifying_pays(16, best)
+    assert make_scheduler("async", gamma=2, cost_table=linear).verifying_pays(
+        16, torch.tensor([1.0, 1.0])) is False   # certain drafts only tie: (16 + k) / (16 + k)
+    sched = make_scheduler("async", gamma=2, cost_table=FLAT)
+    assert sched.verifying_pays(16, best)
+    assert not sched.verifying_pays(0, best)
+    sched.observe_step(16, 1.0)
+    sched.observe_step(48, 3.0)            # served: step time proportional to B
+    assert not sched.verifying_pays(16, best)
