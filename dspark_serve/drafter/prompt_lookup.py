@@ -67,3 +67,60 @@ def prompt_lookup(text: np.ndarray, num_tokens: int, max_ngram: int = DEFAULT_MA
     period = n - 1 - end
     idx = end + 1 + np.arange(num_tokens) % period
     return LookupDraft(text[idx].tolist(), best)
+
+
+class LookupIndex:
+    """Prompt lookup for one request's growing text, kept incrementally: for n = 1..max_ngram,
+    a table from every n-gram of the text to the most recent position it ends at. A round
+    then costs at most ``max_ngram`` table probes instead of a scan of the whole text (at 16
+    users the scan was ~3 ms of a ~50 ms CPU step), and each committed token adds
+    ``max_ngram`` entries. Drafts equal ``prompt_lookup``'s exactly: the longest n whose
+    n-gram ends earlier in the text is the longest suffix match, and its table entry is the
+    most recent of those matches.
+
+    The text normally only grows between calls (a request's prompt + output); one that does not
+    start with the indexed text (a new request in the slot) is re-indexed from scratch.
+
+    Raises ValueError (at construction) unless 1 <= min_ngram <= max_ngram.
+    """
+
+    def __init__(self, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = 1):
+        if min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._clear()
+
+    def _clear(self) -> None:
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram)]
+        self._text: list[int] = []   # the indexed prefix: match ends 0..len-1 are in the tables
+
+    def draft(self, text: list[int], num_tokens: int) -> LookupDraft:
+        """``prompt_lookup(text, num_tokens, max_ngram, min_ngram)`` (same result).
+
+        Args:
+            text: the request's token ids so far (prompt + output; the last is the anchor).
+            num_tokens: most draft tokens (gamma), >= 0.
+        Raises:
+            ValueError: num_tokens < 0.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        n = len(text)
+        indexed = len(self._text)
+        if indexed > max(n - 1, 0) or text[:indexed] != self._text:
+            self._clear()
+            indexed = 0
+        # a match must end before the anchor: index ends up to n - 2
+        for end in range(indexed, n - 1):
+            for size in range(1, min(self.max_ngram, end + 1) + 1):
+                self._ends[size - 1][tuple(text[end - size + 1:end + 1])] = end
+        self._text.extend(text[indexed:n - 1])
+        if n < 2 or num_tokens == 0:
+            return LookupDraft([], 0)
+        for size in range(min(self.max_ngram, n - 1), self.min_ngram - 1, -1):
+            end = self._ends[size - 1].get(tuple(text[n - size:]))
+            if end is not None:
+                # past the text's end the loop of period n - 1 - end continues (as above)
+                period = n - 1 - end
+                return LookupDraft([text[end + 1 + i % period] for i in range(num_tokens)], size)
+        return LookupDraft([], 0)

@@ -29,7 +29,7 @@ import torch
 from dspark_serve.calibration.lookup import LookupCalibration, OnlineLookupSurvival
 from dspark_serve.calibration.sts import calibrated_confidence
 from dspark_serve.drafter.model import DSparkDrafter
-from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, prompt_lookup
+from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, LookupIndex
 from dspark_serve.scheduling import AsyncScheduler, make_scheduler
 from dspark_serve.scheduling.cost_table import CostTable
 from dspark_serve.types import DraftBlock, SamplingTensors, dense_draft_probs
@@ -106,6 +106,7 @@ class Speculator:
             prior = (lookup.calibration.conditional if lookup.calibration is not None
                      else [[UNCALIBRATED_LOOKUP_SURVIVAL] * gamma] * lookup.max_ngram)
             self.lookup_survival = OnlineLookupSurvival(prior)
+        self._lookup_indexes: dict[int, LookupIndex] = {}   # per slot, its request's text
         # (decoding rows lookup drafted [N], their match lengths [N]) of the last propose
         self._lookup_rounds: tuple[np.ndarray, np.ndarray] | None = None
         # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
@@ -133,7 +134,9 @@ class Speculator:
         return self.always_draft or decide is None or bool(decide(num_requests, known))
 
     def reset_slot(self, slot: int) -> None:
-        """Forget a slot's context, pending taps included (a new request takes it)."""
+        """Forget a slot's context, pending taps and lookup index included (a new request
+        takes it)."""
+        self._lookup_indexes.pop(slot, None)
         if self.cache is None:
             return
         pending, self._pending = self._pending, []
@@ -177,7 +180,7 @@ class Speculator:
         r, g, device = slots.numel(), self.gamma, slots.device
         by_drafter = torch.ones(r, dtype=torch.bool, device=device)
         if self.lookup is not None:
-            lookup_tokens, found, match_len = self._lookup(texts, device)
+            lookup_tokens, found, match_len = self._lookup(slots, texts, device)
             by_drafter = match_len < (self.lookup.min_match if self.drafter is not None else 1)
             taken = ~by_drafter
             # lookup rows verify at most the tokens found
@@ -257,21 +260,22 @@ class Speculator:
         """[R, gamma] bool: slot k of row r may be verified (k < caps[r])."""
         return torch.arange(self.gamma, device=caps.device)[None, :] < caps[:, None]
 
-    def _lookup(self, texts: list[list[int]],
+    def _lookup(self, slots: torch.Tensor, texts: list[list[int]],
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prompt lookup for every row: (draft tokens [R, gamma] int64, 0 where none, tokens
-        found [R] int64, match length [R] int64, 0 = no match)."""
-        tokens = torch.zeros(len(texts), self.gamma, dtype=torch.int64)
-        found, match_len = [], []
-        for i, text in enumerate(texts):
-            draft = prompt_lookup(np.asarray(text, dtype=np.int64), self.gamma,
-                                  self.lookup.max_ngram)
-            if draft.tokens:
-                tokens[i, :len(draft.tokens)] = torch.tensor(draft.tokens)
+        """Prompt lookup for every row, through its slot's ``LookupIndex``: (draft tokens
+        [R, gamma] int64, 0 where none, tokens found [R] int64, match length [R] int64, 0 = no
+        match)."""
+        rows, found, match_len = [], [], []
+        for slot, text in zip(slots.tolist(), texts):
+            index = self._lookup_indexes.get(slot)
+            if index is None:
+                index = self._lookup_indexes[slot] = LookupIndex(self.lookup.max_ngram)
+            draft = index.draft(text, self.gamma)
+            rows.append(draft.tokens + [0] * (self.gamma - len(draft.tokens)))
             found.append(len(draft.tokens))
             match_len.append(draft.match_len)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
-        return tokens.to(device), as_tensor(found), as_tensor(match_len)
+        return as_tensor(rows).view(len(texts), self.gamma), as_tensor(found), as_tensor(match_len)
 
     def observe(self, lengths: torch.Tensor, num_accepted: list[int]) -> None:
         """Count the verified outcome of the last ``propose``'s lookup rows into their

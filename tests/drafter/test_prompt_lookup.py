@@ -1,9 +1,9 @@
 """Prompt lookup: longest suffix match, most recent on a tie, loops continued past the end,
-no draft without a match."""
+no draft without a match; the incremental index equals the scan."""
 import numpy as np
 import pytest
 
-from dspark_serve.drafter.prompt_lookup import LookupDraft, prompt_lookup
+from dspark_serve.drafter.prompt_lookup import LookupDraft, LookupIndex, prompt_lookup
 
 
 @pytest.mark.parametrize("text, gamma, expected", [
@@ -28,3 +28,29 @@ def test_max_and_min_ngram():
     assert prompt_lookup(text, 2, min_ngram=4) == LookupDraft([], 0)
     with pytest.raises(ValueError, match="min_ngram"):
         prompt_lookup(text, 2, min_ngram=0)
+
+
+@pytest.mark.parametrize("vocab, max_ngram, min_ngram", [(2, 8, 1), (3, 3, 2), (5, 1, 1),
+                                                         (20, 8, 3)])
+def test_lookup_index_equals_prompt_lookup_as_the_text_grows(vocab, max_ngram, min_ngram):
+    """The incremental index drafts exactly what the scan drafts, at every length of a random
+    text (small vocabularies: many overlapping matches of every length), any gamma."""
+    rng = np.random.default_rng(vocab * 100 + max_ngram * 10 + min_ngram)
+    index, text = LookupIndex(max_ngram, min_ngram), []
+    for token, gamma in zip(rng.integers(0, vocab, 200).tolist(), rng.integers(0, 7, 200)):
+        text.append(token)
+        expected = prompt_lookup(np.array(text), int(gamma), max_ngram, min_ngram)
+        assert index.draft(text, int(gamma)) == expected
+
+
+def test_lookup_index_reindexes_a_different_text():
+    """A text that does not extend the indexed one (shorter, or different anywhere: a new
+    request in the slot) is indexed from scratch: no match comes from the old text."""
+    index = LookupIndex()
+    assert index.draft([4, 5, 6, 7, 4], 2) == LookupDraft([5, 6], 1)
+    assert index.draft([1, 5], 2) == LookupDraft([], 0)                # shorter
+    assert index.draft([1, 5, 9, 9, 2, 1, 5], 2) == LookupDraft([9, 9], 2)
+    # same last indexed token, different start: (5, 9) only occurred in the old text
+    assert index.draft([3, 3, 9, 9, 2, 1, 5, 9], 3) == LookupDraft([2, 1, 5], 1)
+    with pytest.raises(ValueError, match="min_ngram"):
+        LookupIndex(2, 3)

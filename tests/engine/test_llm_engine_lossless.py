@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-import dspark_serve.engine.speculator as speculator_module
 import dspark_serve.verify.target_sampler as target_sampler
-from dspark_serve.drafter.prompt_lookup import LookupDraft
+from dspark_serve.drafter.prompt_lookup import LookupDraft, LookupIndex
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
 from dspark_serve.types import VerifyResult
@@ -170,9 +169,10 @@ def greedy_lookup(conditionals, prompt_len: int, every: int):
     """A stand-in for prompt lookup on this short prompt (which repeats nothing): for outputs
     whose length is a multiple of ``every`` it drafts the target's top-1 chain (a
     deterministic function of the text, as lookup is; match length 3), else no match. Drafts
-    are one-hot, so they are accepted with probability p_target(x)."""
-    def lookup(text, num_tokens, max_ngram=0, min_ngram=1):
-        prefix = tuple(text[prompt_len:].tolist())
+    are one-hot, so they are accepted with probability p_target(x). Installed as
+    ``LookupIndex.draft``."""
+    def lookup(index, text, num_tokens):
+        prefix = tuple(text[prompt_len:])
         if len(prefix) % every:
             return LookupDraft([], 0)
         tokens = []
@@ -197,8 +197,7 @@ def test_prompt_lookup_and_hybrid_sampling_match_exact(mode, every, scheduler, m
     K from the lookup rows' survival of the step and the drafter rows' of two steps back."""
     engine = make_engine(speculative=mode, scheduler=scheduler, gamma=2, always_draft=True,
                          **SIZES)
-    monkeypatch.setattr(speculator_module, "prompt_lookup",
-                        greedy_lookup(conditionals, len(prompt_ids), every))
+    monkeypatch.setattr(LookupIndex, "draft", greedy_lookup(conditionals, len(prompt_ids), every))
     if mode == "hybrid":
         use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
                                                                           engine.vocab_size),
