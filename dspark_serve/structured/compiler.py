@@ -16,7 +16,7 @@ import torch
 
 from dspark_serve.structured.spec import GrammarError, GrammarSpec
 
-# json_object: any JSON object; compact separators (", " and ": ") like json_schema below,
+# json_object: any JSON object; fixed separators (", " and ": ") like json_schema below,
 # since free whitespace lets small models loop on newlines until max_tokens.
 _ANY_OBJECT = '{"type": "object"}'
 _CACHE_BYTES = 64 << 20

@@ -27,7 +27,8 @@ from dspark_serve.assets.default_drafter import (SGLANG_DRAFTER_KIND,  # noqa: E
 from dspark_serve.assets.default_model import MODEL_NAME  # noqa: E402
 from dspark_serve.scheduling.cost_table import CostTable  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# deselected from the main suite (pytest.ini); .ci/run runs them in its SGLang step
+pytestmark = [pytest.mark.slow, pytest.mark.sglang_e2e]
 
 NUM_PROMPTS = 6
 NEW_TOKENS = 24
