@@ -130,8 +130,11 @@ class AsyncScheduler:
 
     def draft_seconds(self, num_requests: int) -> float:
         """Estimated drafting seconds for R requests: the average measured at the nearest R
-        (0 before any measurement, so the first steps draft and measure)."""
-        if not self._draft_seconds:
+        (0 before any measurement, so the first steps draft and measure; 0 for R = 0: a step
+        whose rows are all prompt lookup's does not run the drafter, and a phantom drafting
+        time added to every K's step time made verifying look cheap, so the default hybrid
+        verified 2x the lookup steps that ngram did at one user)."""
+        if not self._draft_seconds or num_requests <= 0:
             return 0.0
         nearest = min(self._draft_seconds, key=lambda r: (abs(r - num_requests), r))
         return self._draft_seconds[nearest]

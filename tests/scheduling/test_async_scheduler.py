@@ -170,8 +170,21 @@ def test_drafting_time_moving_average_and_nearest_r():
     assert sched.draft_seconds(1) == pytest.approx(0.125)   # nearest measured R is 4
     assert sched.draft_seconds(12) == pytest.approx(0.4)    # 16 is nearer than 4
     assert sched.draft_seconds(10) == pytest.approx(0.125)  # a tie goes to the smaller R
+    assert sched.draft_seconds(0) == 0.0    # no drafter rows: no drafting time
     sched.reset()
     assert sched.draft_seconds(4) == 0.0
+
+
+def test_lookup_only_steps_pay_no_drafting_time():
+    """A step whose rows are all lookup rows (known) sizes K without the drafter's measured
+    time: that time, added to every K's step time, would make verifying look cheaper than it
+    is. One lookup row, survival 0.6, 0.36; SPS = 1.0, 0.5, 0.45: Theta_0..2 = 1.0, 0.8, 0.882
+    -> K = 0; with a phantom 5 s per step (1 + S_K) / (1 / SPS + 5) would give K = 2."""
+    table = CostTable((1, 2, 3), (1.0, 0.5, 0.45), 3)
+    sched = make_scheduler("async", gamma=2, cost_table=table)
+    sched.observe_draft(1, 5.0)
+    lookup = torch.tensor([[0.6, 0.6]])
+    assert sched(lookup, torch.tensor([True])).tolist() == [0]
 
 
 def test_known_rows_size_k_from_this_step():
