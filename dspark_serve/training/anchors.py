@@ -108,7 +108,7 @@ def block_layout(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor],
         if anc.numel() and not bool(valid[anc].all()):
             raise ValueError(f"sequence {s}: anchors {anc.tolist()} include non-candidates")
         t = ids.numel()
-        label_pos = anc[:, None] + torch.arange(1, gamma + 1)          # [A, gamma]
+        label_pos = anc[:, None] + torch.arange(1, gamma + 1, device=anc.device)  # [A, gamma]
         inside = label_pos < t
         safe = label_pos.clamp(max=t - 1)
         supervised = (inside & mask[safe]).long().cumprod(dim=1).bool()
@@ -119,7 +119,7 @@ def block_layout(sequences: list[torch.Tensor], loss_masks: list[torch.Tensor],
         parts["target"].append(safe - 1)
     anchor = torch.cat(parts["anchor"])
     anchor_tokens = torch.cat([ids[a] for ids, a in zip(sequences, anchors)])
-    offsets = torch.arange(block_size)
+    offsets = torch.arange(block_size, device=anchor.device)
     input_ids = torch.where(offsets == 0, anchor_tokens[:, None], mask_token_id)
     return BlockLayout(seq_index=torch.cat(parts["seq"]), anchor_positions=anchor,
                        input_ids=input_ids, positions=anchor[:, None] + offsets,
@@ -141,7 +141,8 @@ def attention_mask(layout: BlockLayout, seq_lengths: torch.Tensor) -> torch.Tens
         raise ValueError("attention_mask takes the blocks of a single sequence")
     r, g = layout.input_ids.shape
     ctx_len = int(seq_lengths[0])
-    block_of_query = torch.arange(r * g) // g
-    ctx = torch.arange(ctx_len)[None, :] < layout.anchor_positions[block_of_query][:, None]
+    dev = layout.input_ids.device
+    block_of_query = torch.arange(r * g, device=dev) // g
+    ctx = torch.arange(ctx_len, device=dev)[None, :] < layout.anchor_positions[block_of_query][:, None]
     own = block_of_query[:, None] == block_of_query[None, :]
     return torch.cat([ctx, own], dim=1)

@@ -82,6 +82,7 @@ class CacheTrainConfig:
     eval_seqs: int = 40
     keep: int = 2
     time_budget_minutes: float | None = None
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         for name in ("steps", "seqs_per_step", "anchors_per_seq", "save_every", "log_every",
@@ -111,7 +112,8 @@ def build_drafter(cfg: CacheTrainConfig, target, resume_from: Path | None) -> DS
     if dcfg.draft_vocab_size is None:
         raise ValueError(f"{source} has no pruned draft vocabulary: run `dspark-serve "
                          "prune-vocab` on it first")
-    drafter = load_drafter(source, target.embed_tokens, target.lm_head, dtype=torch.float32)
+    drafter = load_drafter(source, target.embed_tokens, target.lm_head, dtype=torch.float32,
+                           device=cfg.device)
     overrides = {k: v for k, v in (("mask_token_id", cfg.mask_token_id),
                                    ("rope_theta", cfg.rope_theta),
                                    ("anchor_context", cfg.anchor_context or None)) if v is not None}
@@ -125,7 +127,7 @@ def build_drafter(cfg: CacheTrainConfig, target, resume_from: Path | None) -> DS
         else:
             fresh.load_state_dict(drafter.state_dict())
         drafter = fresh
-    return drafter.float().train()
+    return drafter.float().to(cfg.device).train()
 
 
 def _step_loss(drafter, caches, order, step, cfg, head_rows, to_draft, tap_scale, gamma):
@@ -135,7 +137,7 @@ def _step_loss(drafter, caches, order, step, cfg, head_rows, to_draft, tap_scale
     c = drafter.config
     work = []
     for slot, (ci, si) in enumerate(picks):
-        seq = caches[ci][si]
+        seq = caches[ci][si].to(cfg.device)
         cand = anchor_candidates(seq.loss_mask)
         cand = cand[cand >= 1]
         if cand.numel() == 0:
@@ -147,14 +149,16 @@ def _step_loss(drafter, caches, order, step, cfg, head_rows, to_draft, tap_scale
         tg = sequence_targets(seq, cand, block_size=c.block_size, label_offset=c.label_offset,
                               head_rows=head_rows, to_draft=to_draft)
         work.append((seq, cand, tg))
-    w = position_weights(gamma, cfg.loss_decay)
+    w = position_weights(gamma, cfg.loss_decay).to(cfg.device)
     norm = sum((w * tg.label_mask.float()).sum() for _, _, tg in work).clamp_min(1e-12)
     sums = {"loss": 0.0, "ce": 0.0, "tv": 0.0, "conf": 0.0}
     match1, blocks = [], 0
+    device_type = torch.device(cfg.device).type
     for seq, cand, tg in work:
-        # bf16 autocast only where the CPU has bf16 dot products: emulated, it made a block
-        # 3.5x slower than float32 (29-31 vs 8.5 ms, AVX512-VNNI-only Xeon)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16_cpu()):
+        # bf16 autocast on a GPU, and on a CPU only where it has bf16 dot products: emulated,
+        # it made a block 3.5x slower than float32 (29-31 vs 8.5 ms, AVX512-VNNI-only Xeon)
+        with torch.autocast(device_type, dtype=torch.bfloat16,
+                            enabled=device_type != "cpu" or native_bf16_cpu()):
             logits, conf, _ = shared_context_forward(drafter, seq.taps, seq.ids, cand,
                                                      tap_scale=tap_scale)
         terms, match = draft_space_loss(
@@ -171,33 +175,40 @@ def _step_loss(drafter, caches, order, step, cfg, head_rows, to_draft, tap_scale
     return sums, float(torch.cat(match1).float().mean()), blocks
 
 
-def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
-    """Run (or resume) a cached-feature training run; returns ``final/``.
+def train_cached(cfg: CacheTrainConfig, *, target=None, caches=None, eval_sequences=None,
+                 log_fn=print) -> Path:
+    """Run (or resume) a cached-feature training run on ``cfg.device``; returns ``final/``.
 
     Args:
         target: object with ``embed_tokens`` and ``lm_head`` (the frozen target's modules;
-            None: load ``cfg.model``, default SmolLM2-135M-Instruct, in bf16).
+            None: load ``cfg.model``, default SmolLM2-135M-Instruct, in bf16 on ``cfg.device``).
+        caches, eval_sequences: sequences held in memory instead of ``cfg.cache`` and
+            ``cfg.eval_cache`` (lists of lists / a list of ``CachedSequence``, e.g. computed on
+            the GPU that trains; ``cfg.cache`` then only names them in the logs).
     Raises:
         ValueError: bad config, an ``init_from`` without a pruned vocabulary, or an empty cache.
     """
     if target is None:
 
-        target = TargetModel.from_pretrained(cfg.model or default_model_path(), dtype="bfloat16")
+        target = TargetModel.from_pretrained(cfg.model or default_model_path(), dtype="bfloat16",
+                                             device=cfg.device)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     resume_from = latest_checkpoint(out)
     drafter = build_drafter(cfg, target, resume_from)
-    caches = [FeatureCache(p) for p in cfg.cache]
+    caches = caches if caches is not None else [FeatureCache(p) for p in cfg.cache]
     order = [(ci, si) for ci, c in enumerate(caches) for si in range(len(c))]
     if not order:
         raise ValueError(f"the caches {cfg.cache} hold no sequences")
-    eval_cache = FeatureCache(cfg.eval_cache) if cfg.eval_cache else None
+    eval_cache = eval_sequences if eval_sequences is not None else \
+        FeatureCache(cfg.eval_cache) if cfg.eval_cache else None
     dc = drafter.config
     head_rows = drafter.shared_modules[1].weight.float()
     to_draft = draft_index_map(drafter.draft_vocab, dc.vocab_size)
     tap_scale = None
     if cfg.tap_norm:
-        tap_scale = tap_scale_from_cache(caches[0], len(dc.target_layer_ids), dc.hidden_size)
+        tap_scale = tap_scale_from_cache(caches[0], len(dc.target_layer_ids),
+                                         dc.hidden_size).to(cfg.device)
         if resume_from is None and not cfg.reinit:
             fold_tap_scale(drafter, 1.0 / tap_scale)   # same function, new parametrisation
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -218,6 +229,7 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
     if step == 0:
         evaluate(0)
     began, timed = time.perf_counter(), []
+    on_cpu = torch.device(cfg.device).type == "cpu"   # else wall time: the CPU only waits
     with open(out / "train_log.jsonl", "a", encoding="utf-8") as log:
         while step < plan["total"]:
             t0, c0 = time.perf_counter(), time.process_time()
@@ -241,12 +253,12 @@ def train_cached(cfg: CacheTrainConfig, *, target=None, log_fn=print) -> Path:
                 rec = {"step": step, **sums, "train_match1": match1, "blocks": blocks,
                        "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                        "seconds": seconds, "cpu_seconds": cpu,
-                       "ms_per_block": 1000 * cpu / max(blocks, 1)}
+                       "ms_per_block": 1000 * (cpu if on_cpu else seconds) / max(blocks, 1)}
                 log.write(json.dumps(rec) + "\n")
                 log.flush()
                 log_fn(f"step {step}/{plan['total']} loss {sums['loss']:.3f} ce {sums['ce']:.2f}"
                        f" tv {sums['tv']:.3f} match1 {match1:.3f} "
-                       f"{rec['ms_per_block']:.1f} ms/block (cpu)")
+                       f"{rec['ms_per_block']:.2f} ms/block ({'cpu' if on_cpu else 'wall'})")
             if step % cfg.save_every == 0 or step == plan["total"]:
                 save_checkpoint(out, step, drafter, optimizer, scheduler, cfg, cfg.keep,
                                 total_steps=plan["total"])

@@ -62,6 +62,13 @@ class CachedSequence:
     lse: torch.Tensor
     greedy: torch.Tensor
 
+    def to(self, device: str | torch.device) -> "CachedSequence":
+        """This sequence with every tensor on ``device`` (itself when already there)."""
+        if self.taps.device == torch.device(device):
+            return self
+        return CachedSequence(self.key, *(getattr(self, f).to(device) for f in
+                                          ("ids", "loss_mask", "taps", "final", "lse", "greedy")))
+
 
 def target_logits_rows(final: torch.Tensor, head_rows: torch.Tensor) -> torch.Tensor:
     """Target logits on chosen vocabulary rows, f_t . W_v, in float32.

@@ -21,10 +21,12 @@ _ANCHOR_CHUNK = 256
 
 
 @torch.no_grad()
-def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
+def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache | list, *,
                        max_seqs: int | None = None, tap_scale: torch.Tensor | None = None,
                        autocast: bool = True) -> dict:
-    """Acceptance over every anchor of the first ``max_seqs`` cached sequences (all if None).
+    """Acceptance over every anchor of the first ``max_seqs`` cached sequences (all if None),
+    computed on the drafter's device (``cache``: a ``FeatureCache`` or a list of
+    ``CachedSequence``).
 
     Args:
         drafter: any drafter with a vanilla Markov head or none (pruned vocabulary or full).
@@ -40,8 +42,9 @@ def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
     n = len(cache) if max_seqs is None else min(max_seqs, len(cache))
     was_training = drafter.training
     drafter.eval()
+    device = drafter.backbone.fc.weight.device
     for i in range(n):
-        seq = cache[i]
+        seq = cache[i].to(device)
         anchors = anchor_candidates(seq.loss_mask)
         anchors = anchors[anchors >= 1]
         if anchors.numel() == 0:
@@ -49,7 +52,7 @@ def heldout_acceptance(drafter: DSparkDrafter, cache: FeatureCache, *,
         draft = []
         # anchors in chunks: [A * gamma, N] logits of a whole sequence would take gigabytes
         for part in anchors.split(_ANCHOR_CHUNK):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            with torch.autocast(seq.taps.device.type, dtype=torch.bfloat16, enabled=autocast):
                 logits, _, _ = shared_context_forward(drafter, seq.taps, seq.ids, part,
                                                       tap_scale=tap_scale)
             draft.append(logits.argmax(-1))

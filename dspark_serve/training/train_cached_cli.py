@@ -29,6 +29,7 @@ _HELP = {
     "eval_every": "held-out evaluation every N steps", "eval_seqs": "held-out sequences per eval",
     "keep": "checkpoints kept",
     "time_budget_minutes": "time the first steps, then lower --steps once to fit this wall time",
+    "device": "torch device of the drafter and the cached features (cpu, cuda)",
 }
 
 

@@ -15,7 +15,7 @@ from dspark_serve.training.models import init_weights
 VOCAB, HIDDEN, LAYERS, TAPS, MASK_ID = 64, 32, 4, [0, 2], 1
 
 
-def make_target(seed: int = 0) -> TargetModel:
+def make_target(seed: int = 0, device: str | None = None) -> TargetModel:
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -23,7 +23,7 @@ def make_target(seed: int = 0) -> TargetModel:
         tie_word_embeddings=True)).eval()
     with torch.no_grad():  # sharper target distributions than the 0.02 init gives
         hf.model.embed_tokens.weight.mul_(40.0)
-    return TargetModel.from_hf(hf, target_layer_ids=TAPS)
+    return TargetModel.from_hf(hf, device=device, target_layer_ids=TAPS)
 
 
 def make_drafter(target: TargetModel, kind: str = "dspark", seed: int = 0,

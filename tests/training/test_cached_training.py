@@ -300,3 +300,43 @@ def test_on_the_fly_trainer_refuses_a_pruned_drafter(tmp_path, target, make_draf
                       dtype="float32")
     with pytest.raises(ValueError, match="train-cached"):
         train(cfg, progress=False, models=(target, pruned))
+
+
+def _short_run(tmp_path, cache, init, out, **kw):
+    return CacheTrainConfig(cache=[str(cache.folder)], out=str(tmp_path / out), init_from=init,
+                            steps=3, seqs_per_step=2, anchors_per_seq=8, lr=3e-3, save_every=3,
+                            log_every=1, eval_every=3, eval_seqs=2, **kw)
+
+
+def test_sequences_held_in_memory_train_exactly_as_the_cache_they_came_from(
+        tmp_path, target, make_drafter, write_sequences):
+    cache = _cache(tmp_path, write_sequences)
+    init = _init_folder(tmp_path, target, make_drafter)
+    train_cached(_short_run(tmp_path, cache, init, "disk", eval_cache=str(cache.folder)),
+                 target=target, log_fn=lambda m: None)
+    held = [cache[i] for i in range(len(cache))]      # what a GPU run keeps in device memory
+    train_cached(_short_run(tmp_path, cache, init, "memory"), target=target, caches=[held],
+                 eval_sequences=held, log_fn=lambda m: None)
+    disk, memory = _log(tmp_path / "disk"), _log(tmp_path / "memory")
+    assert [r["loss"] for r in disk] == [r["loss"] for r in memory]
+    evals = [(tmp_path / d / "eval_log.jsonl").read_text().splitlines() for d in ("disk", "memory")]
+    assert [json.loads(x)["pos1"] for x in evals[0]] == [json.loads(x)["pos1"] for x in evals[1]]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cached_training_on_cuda_follows_the_cpu_run(tmp_path, make_drafter, write_sequences):
+    target = make_target()
+    cache = _cache(tmp_path, write_sequences)
+    init = _init_folder(tmp_path, target, make_drafter)
+    train_cached(_short_run(tmp_path, cache, init, "cpu"), target=target, log_fn=lambda m: None)
+    gpu_target = make_target(device="cuda")
+    train_cached(_short_run(tmp_path, cache, init, "cuda", device="cuda"), target=gpu_target,
+                 log_fn=lambda m: None)
+    cpu, gpu = _log(tmp_path / "cpu"), _log(tmp_path / "cuda")
+    # bf16 autocast on the GPU: the same steps within bf16 rounding
+    assert [r["blocks"] for r in cpu] == [r["blocks"] for r in gpu]
+    for rc, rg in zip(cpu, gpu):
+        assert rg["loss"] == pytest.approx(rc["loss"], rel=2e-2)
+    final = load_drafter(tmp_path / "cuda" / "final", target.embed_tokens, target.lm_head)
+    assert final.config.draft_vocab_size == 12 and torch.equal(final.draft_vocab, KEEP)
