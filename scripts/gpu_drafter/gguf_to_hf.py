@@ -23,7 +23,8 @@ _NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 
 def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp stores q/k rows interleaved for its RoPE; HF keeps halves
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    rows = w.shape[0] // heads // 2
+    return w.reshape(heads, rows, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def convert(gguf_path: str, config_dir: str, out_dir: str) -> dict:
