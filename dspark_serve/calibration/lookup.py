@@ -142,6 +142,7 @@ class OnlineLookupSurvival:
         self.reached = np.zeros_like(self._prior)
         self.accepted = np.zeros_like(self._prior)
         self._table: torch.Tensor | None = None
+        self._best: dict[int, torch.Tensor] = {}    # best_case per gamma, until observe
 
     @property
     def gamma(self) -> int:
@@ -162,9 +163,13 @@ class OnlineLookupSurvival:
     def best_case(self, gamma: int) -> torch.Tensor:
         """[gamma] float32 conditional survival of a row at least as likely to survive as any
         match length's, at every position: its survival a_k is the largest a_k of the table's
-        rows (an upper bound for deciding whether lookup can pay at all)."""
-        cum = self.table()[:, :gamma].double().cumprod(1).amax(0)
-        return (cum / torch.cat([cum.new_ones(1), cum[:-1]]).clamp(min=1e-12)).clamp(0, 1).float()
+        rows (an upper bound for deciding whether lookup can pay at all). Cached until the
+        next ``observe`` (asked every step)."""
+        if gamma not in self._best:
+            cum = self.table()[:, :gamma].double().cumprod(1).amax(0)
+            self._best[gamma] = (cum / torch.cat([cum.new_ones(1), cum[:-1]]).clamp(min=1e-12)
+                                 ).clamp(0, 1).float()
+        return self._best[gamma]
 
     def observe(self, match_len, num_verified, num_accepted) -> None:
         """Count verified rounds: [N] int match lengths (>= 1), drafts verified, drafts
@@ -174,3 +179,4 @@ class OnlineLookupSurvival:
         self.reached += reached
         self.accepted += accepted
         self._table = None
+        self._best.clear()

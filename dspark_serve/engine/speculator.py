@@ -40,6 +40,16 @@ UNCALIBRATED_LOOKUP_SURVIVAL = 0.7
 
 
 @dataclass(frozen=True)
+class LookupRound:
+    """Prompt lookup's drafts for the R rows of one step: tokens [R][gamma] (0 past what was
+    found), found [R] tokens found, match_len [R] matched suffix length (0 = no match)."""
+
+    tokens: list[list[int]]
+    found: list[int]
+    match_len: list[int]
+
+
+@dataclass(frozen=True)
 class LookupConfig:
     """Prompt lookup inside the speculator.
 
@@ -161,7 +171,8 @@ class Speculator:
 
     def propose(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
                 texts: list[list[int]], sampling: SamplingTensors, uniforms: torch.Tensor,
-                caps: torch.Tensor) -> tuple[DraftBlock | None, torch.Tensor]:
+                caps: torch.Tensor, lookup_round: LookupRound | None = None
+                ) -> tuple[DraftBlock | None, torch.Tensor]:
         """Draft and schedule one round for R requests.
 
         Args:
@@ -171,16 +182,20 @@ class Speculator:
             sampling: R rows of warping parameters (same as the verifier's).
             uniforms: [R, drafter gamma (or gamma)] float32 draft uniforms.
             caps: [R] int64 most draft tokens each request may verify (0..gamma).
+            lookup_round: this step's ``lookup_drafts(slots, texts)``, when the caller ran it.
         Returns:
             (block: tokens [R, gamma] int64, probs [R, gamma, V] float32, conf_logits
             [R, gamma] float32; lengths [R] int64 l_r in 0..caps[r]). The block is None, and
-            every length 0, when prompt lookup found nothing to verify and the drafter did not
-            run: a plain decode step.
+            every length 0, when the drafter did not run and prompt lookup found nothing to
+            verify or the scheduler admitted none of its drafts: a plain decode step.
         """
         r, g, device = slots.numel(), self.gamma, slots.device
         by_drafter = torch.ones(r, dtype=torch.bool, device=device)
         if self.lookup is not None:
-            lookup_tokens, found, match_len = self._lookup(slots, texts, device)
+            found_round = lookup_round or self.lookup_drafts(slots.tolist(), texts)
+            as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+            lookup_tokens, found, match_len = (as_tensor(x) for x in (
+                found_round.tokens, found_round.found, found_round.match_len))
             by_drafter = match_len < (self.lookup.min_match if self.drafter is not None else 1)
             taken = ~by_drafter
             # lookup rows verify at most the tokens found
@@ -244,7 +259,13 @@ class Speculator:
         observe = getattr(self.scheduler, "observe_draft", None)
         if observe is not None and rows.numel():
             observe(rows.numel(), draft_seconds)
-        return block, torch.minimum(lengths, caps)
+        lengths = torch.minimum(lengths, caps)
+        if not rows.numel() and not bool(lengths.any()):
+            # lookup drafts only, none admitted: a plain decode step, as when lookup finds
+            # nothing (the verify bookkeeping of an empty round cost ~0.4 ms at one user)
+            self._lookup_rounds = None
+            return None, lengths
+        return block, lengths
 
     def observe_step(self, batch_tokens: int | None, seconds: float) -> None:
         """End of an engine step: its wall time (seconds) less this step's drafting prices B
@@ -260,13 +281,12 @@ class Speculator:
         """[R, gamma] bool: slot k of row r may be verified (k < caps[r])."""
         return torch.arange(self.gamma, device=caps.device)[None, :] < caps[:, None]
 
-    def _lookup(self, slots: torch.Tensor, texts: list[list[int]],
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prompt lookup for every row, through its slot's ``LookupIndex``: (draft tokens
-        [R, gamma] int64, 0 where none, tokens found [R] int64, match length [R] int64, 0 = no
-        match)."""
+    def lookup_drafts(self, slots: list[int], texts: list[list[int]]) -> LookupRound:
+        """Prompt lookup for every row (slot, its text so far), through the slot's
+        ``LookupIndex``; plain Python, so a step where nothing matches costs no tensor work.
+        Raises AttributeError without prompt lookup."""
         rows, found, match_len = [], [], []
-        for slot, text in zip(slots.tolist(), texts):
+        for slot, text in zip(slots, texts):
             index = self._lookup_indexes.get(slot)
             if index is None:
                 index = self._lookup_indexes[slot] = LookupIndex(self.lookup.max_ngram)
@@ -274,8 +294,7 @@ class Speculator:
             rows.append(draft.tokens + [0] * (self.gamma - len(draft.tokens)))
             found.append(len(draft.tokens))
             match_len.append(draft.match_len)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
-        return as_tensor(rows).view(len(texts), self.gamma), as_tensor(found), as_tensor(match_len)
+        return LookupRound(rows, found, match_len)
 
     def observe(self, lengths: torch.Tensor, num_accepted: list[int]) -> None:
         """Count the verified outcome of the last ``propose``'s lookup rows into their

@@ -143,6 +143,7 @@ def attention_mask(layout: BlockLayout, seq_lengths: torch.Tensor) -> torch.Tens
     ctx_len = int(seq_lengths[0])
     dev = layout.input_ids.device
     block_of_query = torch.arange(r * g, device=dev) // g
-    ctx = torch.arange(ctx_len, device=dev)[None, :] < layout.anchor_positions[block_of_query][:, None]
+    ctx = (torch.arange(ctx_len, device=dev)[None, :]
+           < layout.anchor_positions[block_of_query][:, None])
     own = block_of_query[:, None] == block_of_query[None, :]
     return torch.cat([ctx, own], dim=1)

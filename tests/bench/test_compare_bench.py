@@ -80,3 +80,31 @@ def test_our_engines_share_weights_and_one_cost_table(monkeypatch, tmp_path):
     assert list(engines) == ["none", "dspark", "hybrid"]
     assert built == [("none", None, None), ("dspark", "weights-1", None),
                      ("hybrid", "weights-1", {"from": "first"})]
+
+
+def test_every_cell_serves_at_least_ten_prompts_the_same_for_every_configuration():
+    assert [compare.cell_prompts(c) for c in (1, 2, 4, 16)] == [10, 10, 12, 48]
+
+
+def test_llama_cell_is_a_closed_loop_of_its_users(monkeypatch):
+    """Two users, three prompts served one after another, each 1 s to its first token and
+    1 s per later token: request 2 arrives when request 0 finished (t = 3), starts at t = 6."""
+    clock = [0.0]
+    monkeypatch.setattr(compare.time, "perf_counter", lambda: clock[0])
+
+    class FakeLlama:
+        def reset(self):
+            pass
+
+        def create_completion(self, ids, max_tokens, **kw):
+            for _ in range(max_tokens):
+                clock[0] += 1.0
+                yield {}
+
+    runner = object.__new__(compare.LlamaRunner)
+    runner.llama, runner.eos, runner.mode = FakeLlama(), 2, "llama.cpp"
+    res = runner.run_batch([[1], [1], [1]], 3, users=2)
+    # first tokens at t = 1, 4, 7; arrivals 0, 0, 3 (request 0 finished at 3)
+    assert (res.concurrency, res.output_tokens, res.wall_s) == (2, 9, 9.0)
+    assert res.ttft_s == pytest.approx((1 + 4 + 4) / 3)
+    assert (res.user_tok_s, res.agg_tok_s) == (1.0, 1.0)

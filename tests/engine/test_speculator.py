@@ -99,6 +99,26 @@ def test_nothing_to_verify_is_a_plain_step():
     assert block is not None and lengths.tolist() == [3, 0, 0]
 
 
+def test_lookup_drafts_the_scheduler_admits_none_of_make_a_plain_step():
+    """Threshold 0.95: rows 0 and 2 match (survival 0.9 and 0.5) but none is admitted, so
+    no block (a plain decode step, no empty verify round) and no lookup round to learn from;
+    the caller's own ``lookup_drafts`` of the step gives the same proposal as propose's."""
+    spec = speculator(scheduler="threshold")
+    spec.scheduler.threshold = 0.95
+    block, lengths = propose(spec)
+    assert block is None and lengths.tolist() == [0, 0, 0]
+    assert spec._lookup_rounds is None
+    found = speculator().lookup_drafts([0, 1, 2], TEXTS)
+    assert (found.tokens, found.found, found.match_len) == (
+        [[3, 9, 1], [0, 0, 0], [3, 8, 3]], [3, 0, 3], [2, 0, 1])
+    r = len(TEXTS)
+    block, lengths = speculator().propose(
+        torch.arange(r), torch.tensor([t[-1] for t in TEXTS]),
+        torch.tensor([len(t) - 1 for t in TEXTS]), TEXTS, SamplingTensors.uniform(r, 0.0),
+        torch.zeros(r, 0), torch.tensor([3, 3, 3]), found)
+    assert lengths.tolist() == [3, 0, 3] and block.tokens[2].tolist() == [3, 8, 3]
+
+
 def test_served_step_time_reaches_the_scheduler_without_drafting():
     """The engine's step wall time, less the step's own drafting, prices B; a step with
     prefill tokens prices nothing; schedulers without ``observe_step`` are left alone."""
