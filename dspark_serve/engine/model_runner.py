@@ -103,16 +103,18 @@ class ModelRunner:
         reqs, d = plan.decode, self.device
         spec = self.speculator
         texts = [r.prompt_ids + r.output_ids for r in reqs]
-        found = None
+        found, drafter_runs = None, None
         if spec.lookup is not None:
             found = spec.lookup_drafts([r.slot for r in reqs], texts)
-            if spec.drafter is None and not any(found.found):
-                # nothing to verify and no drafter: a plain step, without the tensor work
-                # of proposing (~0.5 ms of a 9 ms step at one user); propose would return
-                # the same (no block, lengths 0)
-                plan.block, plan.lengths, plan.gamma = None, torch.zeros(len(reqs),
-                                                                         dtype=torch.int64), 0
-                return
+            if not any(found.found):
+                # no lookup draft: the drafter alone decides (asked once per step)
+                drafter_runs = spec.drafter is not None and spec.drafter_pays(len(reqs))
+                if not drafter_runs:
+                    # a plain step, without the tensor work of proposing (~0.5 ms of a 9 ms
+                    # step at one user); propose would return the same (no block, lengths 0)
+                    plan.block, plan.lengths, plan.gamma = None, torch.zeros(
+                        len(reqs), dtype=torch.int64), 0
+                    return
         caps = torch.tensor([max(0, min(self.gamma, r.params.max_tokens - len(r.output_ids) - 1,
                                         self.max_model_len - r.num_tokens - 1)) for r in reqs],
                             dtype=torch.int64, device=d)
@@ -124,7 +126,7 @@ class ModelRunner:
             torch.tensor([r.num_tokens - 1 for r in reqs], device=d),
             texts, batch.sampling.select(decode_rows),
             draw_uniforms(batch.generators[:len(reqs)], drafter.gamma if drafter else 0, d), caps,
-            found)
+            found, drafter_runs)
         plan.lengths = lengths.cpu()
         plan.gamma = self.gamma if plan.block is not None else 0   # None: a plain step
 

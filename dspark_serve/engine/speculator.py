@@ -139,6 +139,11 @@ class Speculator:
             return True
         return self.drafter is not None and self._drafter_pays(num_requests, None)
 
+    def drafter_pays(self, num_requests: int) -> bool:
+        """Whether the drafter runs this step for R requests that no lookup draft serves
+        (the scheduler's ``worth_drafting``, a probe included); ask once per step."""
+        return self._drafter_pays(num_requests, None)
+
     def _drafter_pays(self, num_requests: int, known: torch.Tensor | None) -> bool:
         decide = getattr(self.scheduler, "worth_drafting", None)
         return self.always_draft or decide is None or bool(decide(num_requests, known))
@@ -171,8 +176,8 @@ class Speculator:
 
     def propose(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_positions: torch.Tensor,
                 texts: list[list[int]], sampling: SamplingTensors, uniforms: torch.Tensor,
-                caps: torch.Tensor, lookup_round: LookupRound | None = None
-                ) -> tuple[DraftBlock | None, torch.Tensor]:
+                caps: torch.Tensor, lookup_round: LookupRound | None = None,
+                drafter_runs: bool | None = None) -> tuple[DraftBlock | None, torch.Tensor]:
         """Draft and schedule one round for R requests.
 
         Args:
@@ -183,6 +188,8 @@ class Speculator:
             uniforms: [R, drafter gamma (or gamma)] float32 draft uniforms.
             caps: [R] int64 most draft tokens each request may verify (0..gamma).
             lookup_round: this step's ``lookup_drafts(slots, texts)``, when the caller ran it.
+            drafter_runs: this step's ``drafter_pays(R)``, when the caller asked it already
+                (a step without lookup drafts: the scheduler counts each question as a step).
         Returns:
             (block: tokens [R, gamma] int64, probs [R, gamma, V] float32, conf_logits
             [R, gamma] float32; lengths [R] int64 l_r in 0..caps[r]). The block is None, and
@@ -203,8 +210,10 @@ class Speculator:
             known_confidence = self.lookup_survival.confidence(match_len, g) * taken[:, None]
             rows_taken = taken.nonzero().flatten().cpu().numpy()
             self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken])
-            if self.drafter is None or not self._drafter_pays(
-                    int(by_drafter.sum()), known_confidence[taken] * self._allowed(caps[taken])):
+            if self.drafter is None or not (drafter_runs if drafter_runs is not None else
+                                            self._drafter_pays(int(by_drafter.sum()),
+                                                               known_confidence[taken]
+                                                               * self._allowed(caps[taken]))):
                 caps = caps * taken    # rows nobody drafts verify none
                 by_drafter = torch.zeros_like(by_drafter)
         rows = by_drafter.nonzero().flatten()
