@@ -163,7 +163,7 @@ def main() -> int:
         seqs_per_step=args.seqs_per_step, anchors_per_seq=args.anchors_per_seq, steps=1_000_000,
         time_budget_minutes=budget, save_every=1_000_000, log_every=25,
         eval_every=args.eval_every, eval_seqs=40, seed=args.seed, keep=1)
-    results["train_config"] = {k: v for k, v in vars(cfg).items()}
+    results["train_config"] = dict(vars(cfg))
     t0 = time.time()
     final = train_cached(cfg, target=target, caches=[train], eval_sequences=heldout, log_fn=log)
     results["train_seconds"] = time.time() - t0
