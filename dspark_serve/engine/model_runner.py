@@ -103,10 +103,10 @@ class ModelRunner:
         reqs, d = plan.decode, self.device
         spec = self.speculator
         texts = [r.prompt_ids + r.output_ids for r in reqs]
-        found, drafter_runs = None, None
+        lookup_round, drafter_runs = None, None
         if spec.lookup is not None:
-            found = spec.lookup_drafts([r.slot for r in reqs], texts)
-            if not any(found.found):
+            lookup_round = spec.lookup_drafts([r.slot for r in reqs], texts)
+            if not any(lookup_round.found):
                 # no lookup draft: the drafter alone decides (asked once per step)
                 drafter_runs = spec.drafter is not None and spec.drafter_pays(len(reqs))
                 if not drafter_runs:
@@ -126,7 +126,7 @@ class ModelRunner:
             torch.tensor([r.num_tokens - 1 for r in reqs], device=d),
             texts, batch.sampling.select(decode_rows),
             draw_uniforms(batch.generators[:len(reqs)], drafter.gamma if drafter else 0, d), caps,
-            found, drafter_runs)
+            lookup_round, drafter_runs)
         plan.lengths = lengths.cpu()
         plan.gamma = self.gamma if plan.block is not None else 0   # None: a plain step
 
