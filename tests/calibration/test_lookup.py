@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_serve.calibration.lookup import (LookupCalibration, OnlineLookupSurvival,
+from dspark_serve.calibration.lookup import (SHIFT_SD, LookupCalibration, OnlineLookupSurvival,
                                              fit_lookup_calibration)
 from dspark_serve.eval.lookup_rounds import greedy_lookup_rounds
 
@@ -38,23 +38,54 @@ def test_confidence_by_match_length_and_file_round_trip(tmp_path):
         LookupCalibration.load(tmp_path / "bad.json")
 
 
+def _map_shift(prior_logit, reached, accepted, sd):
+    """The MAP logit shift by bisection (the score is decreasing in b)."""
+    score = lambda b: accepted.sum() - (reached / (1 + np.exp(-(prior_logit + b)))).sum() - b / sd ** 2
+    lo, hi = -20.0, 20.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if score(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
 def test_online_survival_moves_from_the_prior_to_served_outcomes():
     online = OnlineLookupSurvival([[0.5, 0.5], [0.9, 0.8]], prior_rounds=20)
     assert online.confidence(torch.tensor([0, 2]), 2).tolist() == [[0.0, 0.0],
                                                                    pytest.approx([0.9, 0.8])]
     # 10 served rounds at match 3 (pooled into the last row), 2 verified, none accepted:
-    # position 1 reached 10x accepted 0x -> (20 * 0.9 + 0) / (20 + 10); position 2 unreached
+    # position 1 reached 10x accepted 0x; position 2 unreached
     online.observe(np.full(10, 3), np.full(10, 2), np.zeros(10, dtype=int))
-    # 5 rounds at match 1, 1 verified and accepted: (20 * 0.5 + 5) / (20 + 5)
+    # 5 rounds at match 1, 1 verified and accepted: position 1 reached 5x accepted 5x
     online.observe(np.ones(5, dtype=int), np.ones(5, dtype=int), np.ones(5, dtype=int))
+    logit = np.log([[1.0, 1.0], [9.0, 4.0]])                # logit of the prior table
+    b = _map_shift(logit, np.array([[5, 0], [10, 0]]), np.array([[5, 0], [0, 0]]), SHIFT_SD)
+    assert online.shift == pytest.approx(b, abs=1e-6) and b < 0    # 5 of 15 accepted, 0.77 expected
+    shifted = 1 / (1 + np.exp(-(logit + b)))
+    # each cell: (20 * shifted + accepted) / (20 + reached); unreached cells follow the shift
     c = online.confidence(torch.tensor([1, 2]), 2)
-    assert c.tolist() == [pytest.approx([15 / 25, 0.5]), pytest.approx([18 / 30, 0.8])]
+    assert c.tolist() == [pytest.approx([(20 * shifted[0, 0] + 5) / 25, shifted[0, 1]], abs=1e-6),
+                          pytest.approx([20 * shifted[1, 0] / 30, shifted[1, 1]], abs=1e-6)]
     with pytest.raises(ValueError, match="accepted <= drafted"):
         online.observe(np.array([1]), np.array([1]), np.array([2]))
     with pytest.raises(ValueError, match="prior_rounds"):
         OnlineLookupSurvival([[0.5]], prior_rounds=0)
     with pytest.raises(ValueError, match="values in"):
         OnlineLookupSurvival([[1.5]])
+
+
+def test_a_traffic_that_accepts_less_lowers_the_cells_it_has_not_reached():
+    # the prior says 0.8 everywhere; served rounds at match 1 accept 1 in 5 at position 1
+    online = OnlineLookupSurvival([[0.8, 0.8], [0.8, 0.8]], prior_rounds=20)
+    accepted = np.zeros(500, dtype=int)
+    accepted[::5] = 1
+    online.observe(np.ones(500, dtype=int), np.ones(500, dtype=int), accepted)
+    table = online.table().numpy()
+    # with 500 outcomes the shift's prior barely counts: the shifted prior is close to 0.2,
+    # the data's rate (MAP within 0.01 of it: 500 * p(1 - p) = 80 against 1 / SHIFT_SD^2 = 1)
+    assert table[1, 0] == pytest.approx(0.2, abs=0.01)
+    assert table[0, 1] == table[1, 0] == table[1, 1]
+    # the reached cell: (20 * shifted + 100) / 520, the shifted prior and the data agree
+    assert table[0, 0] == pytest.approx((20 * table[1, 0] + 100) / 520, abs=1e-6)
 
 
 def test_greedy_rounds_walk_p_to_p_plus_n_plus_1():
