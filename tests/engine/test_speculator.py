@@ -1,6 +1,8 @@
 """The speculator's proposers without the real model: prompt lookup alone (rows without a
 match verify nothing), hybrid routing (the drafter drafts only the rows lookup does not take)
 and the survival pool handed to the scheduler."""
+import math
+
 import pytest
 import torch
 
@@ -50,19 +52,27 @@ def test_lookup_survival_feeds_the_scheduler():
 
 def test_lookup_survival_follows_verified_rounds():
     """The match-2 row's drafts keep being rejected at position 1: its survival falls from the
-    table's 0.9 below the threshold (0.6) and the scheduler stops verifying it; outcomes of
-    rows lookup did not draft, or of a step without a proposal, count nothing."""
+    table's 0.9, 0.8, 0.7 below the threshold (0.6), the last position first, until the
+    scheduler stops verifying it; outcomes of rows lookup did not draft, or of a step without a
+    proposal, count nothing."""
     spec = speculator(scheduler="threshold")
-    for _ in range(11):
+    verified = []
+    for _ in range(20):
         _, lengths = propose(spec)
-        assert lengths.tolist() == [3, 0, 0]
+        assert lengths[1:].tolist() == [0, 0]
+        verified.append(int(lengths[0]))
+        if not verified[-1]:
+            break
         spec.observe(lengths, [0, 0, 0])
+    assert verified[0] == 3 and verified[-1] == 0 and verified == sorted(verified, reverse=True)
+    rounds = len(verified) - 1
+    reached = spec.lookup_survival.reached.copy()
     spec.observe(torch.tensor([3, 3, 3]), [3, 3, 3])           # no proposal since: ignored
-    # (20 * 0.9 + 0) / (20 + 11) < 0.6
-    assert spec.lookup_survival.confidence(torch.tensor([2]), 3)[0, 0] == \
-        pytest.approx(18 / 31)
-    _, lengths = propose(spec)
-    assert lengths.tolist() == [0, 0, 0]
+    assert (spec.lookup_survival.reached == reached).all() and reached.sum() == rounds
+    # position 1 of match 2: (20 * shifted prior + 0 accepted) / (20 + rounds) < 0.6
+    shifted = 1 / (1 + math.exp(-(math.log(9) + spec.lookup_survival.shift)))
+    c = spec.lookup_survival.confidence(torch.tensor([2]), 3)[0, 0]
+    assert c == pytest.approx(20 * shifted / (20 + rounds)) and c < 0.6
 
 
 def test_hybrid_drafts_only_rows_lookup_does_not_take(monkeypatch):
