@@ -40,7 +40,9 @@ def test_confidence_by_match_length_and_file_round_trip(tmp_path):
 
 def _map_shift(prior_logit, reached, accepted, sd):
     """The MAP logit shift by bisection (the score is decreasing in b)."""
-    score = lambda b: accepted.sum() - (reached / (1 + np.exp(-(prior_logit + b)))).sum() - b / sd ** 2
+    def score(b):
+        return accepted.sum() - (reached / (1 + np.exp(-(prior_logit + b)))).sum() - b / sd ** 2
+
     lo, hi = -20.0, 20.0
     for _ in range(200):
         mid = (lo + hi) / 2
