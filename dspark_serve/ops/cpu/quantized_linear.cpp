@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -275,80 +276,119 @@ DSPARK_AVX512 inline __m512 sum16(const __m512* r) {
                        _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// The G query heads of one token that share a KV head, against n keys: key_row(j), value_row(j)
-// give key / value j (bfloat16 [D]; the caller's cache layout). q: [G, D] float32 (contiguous
-// heads); scores: scratch of G * (n + 16) + 16 * D floats; out: [G, D]. Keys go 16 at a time:
-// converted to float32 once for the G heads, each head's 16 dot products reduced together
-// (``sum16``); values are read and converted once, each head's output kept in registers (16
-// zmm: 4 heads of 64 or 2 of 128 per pass over the values). A token's result depends on its
-// own query and keys only (fixed blocks of 16 keys from key 0).
+// Most query heads one attend_group call takes (tokens x heads per KV head).
+constexpr int64_t kMaxGroupHeads = 64;
+
+// Floats of attend_group's scratch for groups of up to `heads` query heads over up to `longest`
+// keys of head size D.
+inline int64_t group_scratch_floats(int64_t heads, int64_t longest, int64_t D) {
+  return heads * (longest + 16) + 16 * D + longest * D;
+}
+
+// The G query heads that share a KV head, for each of the m tokens of a group that reads the
+// same key / value rows (one request's verify or prefill tokens, one draft block): token i
+// against keys 0..n[i]-1. key_row(j), value_row(j) give key / value j (bfloat16 [D]; the
+// caller's cache layout). q[i]: [G, D] float32 (contiguous heads); out[i]: [G, D]; scratch:
+// group_scratch_floats(m * G, max n, D) floats. Keys go 16 at a time: converted to float32
+// once for the group, each head's 16 dot products reduced together (``sum16``); values are
+// converted once (read straight from bfloat16 when one pass of heads covers the group), each
+// head's output kept in registers (16 zmm: 4 heads of 64 or 2 of 128 per pass over the values).
+// Every head of every token gets the arithmetic of a token attended alone (fixed blocks of 16
+// keys from key 0, its own key count, the same reductions and accumulation order), so a
+// token's result depends on its own query and keys only, not on its group: the group shares
+// only exact conversions.
 template <int D, class KeyRow, class ValueRow>
-DSPARK_AVX512 void attend(const float* q, int64_t G, KeyRow key_row, ValueRow value_row, int64_t n,
-                          float scale, float* scores, float* out) {
+DSPARK_AVX512 void attend_group(const float* const* q, const int64_t* n, int64_t m, int64_t G,
+                                KeyRow key_row, ValueRow value_row, float scale, float* scratch,
+                                float* const* out) {
   constexpr int C = D / 16;
-  const int64_t stride = n + 16;
-  float* kf = scores + G * stride;   // [16, D] float32 keys of the current block
-  __m512 top[16];
-  for (int64_t g = 0; g < G; ++g) top[g] = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t count = std::min<int64_t>(16, n - j0);
-    for (int64_t jj = 0; jj < count; ++jj) {
+  const int64_t H = m * G;
+  int64_t longest = 0;
+  for (int64_t i = 0; i < m; ++i) longest = std::max(longest, n[i]);
+  const int64_t stride = longest + 16;
+  float* scores = scratch;                 // [H, stride]
+  float* kf = scores + H * stride;         // [16, D] float32 keys of the current block
+  float* vf = kf + 16 * D;                 // [longest, D] float32 values (several passes)
+  __m512 top[kMaxGroupHeads];
+  for (int64_t h = 0; h < H; ++h) top[h] = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < longest; j0 += 16) {
+    const int64_t block = std::min<int64_t>(16, longest - j0);
+    for (int64_t jj = 0; jj < block; ++jj) {
       const uint16_t* kp = key_row(j0 + jj);
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(kf + jj * D + 16 * c, load_bf16(kp + 16 * c));
     }
-    const __mmask16 m = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 qv[C], part[16];
-      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + g * D + 16 * c);
-      for (int jj = 0; jj < 16; ++jj) {
-        if (jj >= count) {
-          part[jj] = _mm512_setzero_ps();
-          continue;
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t count = std::min<int64_t>(16, n[i] - j0);
+      if (count <= 0) continue;
+      const __mmask16 mk = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = i * G + g;
+        __m512 qv[C], part[16];
+        for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q[i] + g * D + 16 * c);
+        for (int jj = 0; jj < 16; ++jj) {
+          if (jj >= count) {
+            part[jj] = _mm512_setzero_ps();
+            continue;
+          }
+          __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kf + jj * D));
+          for (int c = 1; c < C; ++c)
+            acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kf + jj * D + 16 * c), acc);
+          part[jj] = acc;
         }
-        __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kf + jj * D));
-        for (int c = 1; c < C; ++c)
-          acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kf + jj * D + 16 * c), acc);
-        part[jj] = acc;
+        const __m512 sc = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(scores + h * stride + j0, mk, sc);
+        top[h] = _mm512_mask_max_ps(top[h], mk, top[h], sc);
       }
-      const __m512 sc = _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale));
-      _mm512_mask_storeu_ps(scores + g * stride + j0, m, sc);
-      top[g] = _mm512_mask_max_ps(top[g], m, top[g], sc);
     }
   }
-  float inv[16];
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * stride;
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
+  float inv[kMaxGroupHeads];
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t nh = n[h / G];
+    float* sh = scores + h * stride;
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(top[h]));
     __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sg + j), mx));
-      e = _mm512_maskz_mov_ps(m, e);
-      _mm512_mask_storeu_ps(sg + j, m, e);
+    for (int64_t j = 0; j < nh; j += 16) {
+      const __mmask16 mk = nh - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nh - j)) - 1);
+      __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sh + j), mx));
+      e = _mm512_maskz_mov_ps(mk, e);
+      _mm512_mask_storeu_ps(sh + j, mk, e);
       total = _mm512_add_ps(total, e);
     }
-    inv[g] = 1.0f / _mm512_reduce_add_ps(total);
+    inv[h] = 1.0f / _mm512_reduce_add_ps(total);
   }
   constexpr int HeadsPerPass = 256 / D;   // output accumulators in 16 registers
-  for (int64_t g0 = 0; g0 < G; g0 += HeadsPerPass) {
-    const int64_t heads = std::min<int64_t>(HeadsPerPass, G - g0);
+  const bool one_pass = H <= HeadsPerPass;
+  if (!one_pass)
+    for (int64_t j = 0; j < longest; ++j) {
+      const uint16_t* vp = value_row(j);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(vf + j * D + 16 * c, load_bf16(vp + 16 * c));
+    }
+  for (int64_t h0 = 0; h0 < H; h0 += HeadsPerPass) {
+    const int64_t heads = std::min<int64_t>(HeadsPerPass, H - h0);
+    int64_t pass_keys = 0, nh[HeadsPerPass];
+    for (int64_t h = 0; h < heads; ++h) pass_keys = std::max(pass_keys, nh[h] = n[(h0 + h) / G]);
     __m512 acc[HeadsPerPass][C];
     for (int h = 0; h < HeadsPerPass; ++h)
       for (int c = 0; c < C; ++c) acc[h][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; ++j) {
-      const uint16_t* vp = value_row(j);
+    for (int64_t j = 0; j < pass_keys; ++j) {
       __m512 v[C];
-      for (int c = 0; c < C; ++c) v[c] = load_bf16(vp + 16 * c);
+      if (one_pass) {
+        const uint16_t* vp = value_row(j);
+        for (int c = 0; c < C; ++c) v[c] = load_bf16(vp + 16 * c);
+      } else {
+        for (int c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(vf + j * D + 16 * c);
+      }
       for (int h = 0; h < HeadsPerPass; ++h) {
         if (h >= heads) break;
-        const __m512 p = _mm512_set1_ps(scores[(g0 + h) * stride + j]);
+        if (j >= nh[h]) continue;
+        const __m512 p = _mm512_set1_ps(scores[(h0 + h) * stride + j]);
         for (int c = 0; c < C; ++c) acc[h][c] = _mm512_fmadd_ps(p, v[c], acc[h][c]);
       }
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const __m512 norm = _mm512_set1_ps(inv[g0 + h]);
-      for (int c = 0; c < C; ++c)
-        _mm512_storeu_ps(out + (g0 + h) * D + 16 * c, _mm512_mul_ps(acc[h][c], norm));
+      const __m512 norm = _mm512_set1_ps(inv[h0 + h]);
+      float* o = out[(h0 + h) / G] + ((h0 + h) % G) * D;
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[h][c], norm));
     }
   }
 }
@@ -464,26 +504,42 @@ at::Tensor layer_output(const LayerWeights& w, double eps, std::vector<float>& r
   return out;
 }
 
-// Attention of every (token, KV head) pair: attend<D> with the key / value rows the caller's
-// ``rows(t, kvh)`` returns as a pair of callables, over ``count(t)`` keys.
-template <class Rows, class Count>
+// Attention of every (token, KV head) pair: attend_group<D> over runs of consecutive tokens
+// with the same ``group(t)`` (tokens that read the same key / value rows: ``rows(t, kvh)``
+// gives them for the run's first token), each token over ``count(t)`` keys.
+template <class Rows, class Count, class Group>
 void attend_all(const LayerWeights& w, const std::vector<float>& qkv, int64_t longest, double scale,
-                Rows rows, Count count, std::vector<float>& attn) {
+                Rows rows, Count count, Group group, std::vector<float>& attn) {
   const int64_t T = w.T, Hq = w.Hq, Hkv = w.Hkv, D = w.D, groups = Hq / Hkv;
+  const int64_t max_run = std::max<int64_t>(1, kMaxGroupHeads / groups);
+  std::vector<int64_t> firsts;   // first token of each run
+  for (int64_t t = 0; t < T; ++t)
+    if (t == 0 || group(t) != group(t - 1) || t - firsts.back() >= max_run) firsts.push_back(t);
+  const int64_t runs = firsts.size();
+  firsts.push_back(T);
+  int64_t widest = 1;   // tokens in the largest run
+  for (int64_t r = 0; r < runs; ++r) widest = std::max(widest, firsts[r + 1] - firsts[r]);
   attn.resize(T * Hq * D);
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(groups * (longest + 16) + 16 * D);
+  at::parallel_for(0, runs * Hkv, 1, [&](int64_t begin, int64_t end) {
+    // uninitialised: every float is written before it is read
+    std::unique_ptr<float[]> scratch(new float[group_scratch_floats(widest * groups, longest, D)]);
+    std::vector<int64_t> n(widest);
+    std::vector<const float*> qs(widest);
+    std::vector<float*> outs(widest);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t t = i / Hkv, kvh = i % Hkv;
-      auto [key_row, value_row] = rows(t, kvh);
-      const float* qt = &qkv[t * w.qkv.N + kvh * groups * D];
-      float* ot = &attn[(t * Hq + kvh * groups) * D];
+      const int64_t run = i / Hkv, kvh = i % Hkv, t0 = firsts[run], m = firsts[run + 1] - t0;
+      auto [key_row, value_row] = rows(t0, kvh);
+      for (int64_t k = 0; k < m; ++k) {
+        n[k] = count(t0 + k);
+        qs[k] = &qkv[(t0 + k) * w.qkv.N + kvh * groups * D];
+        outs[k] = &attn[((t0 + k) * Hq + kvh * groups) * D];
+      }
       if (D == 64)
-        attend<64>(qt, groups, key_row, value_row, count(t), static_cast<float>(scale),
-                   scores.data(), ot);
+        attend_group<64>(qs.data(), n.data(), m, groups, key_row, value_row,
+                         static_cast<float>(scale), scratch.get(), outs.data());
       else
-        attend<128>(qt, groups, key_row, value_row, count(t), static_cast<float>(scale),
-                    scores.data(), ot);
+        attend_group<128>(qs.data(), n.data(), m, groups, key_row, value_row,
+                          static_cast<float>(scale), scratch.get(), outs.data());
     }
   });
 }
@@ -502,7 +558,8 @@ void check_pages(const at::Tensor& page_table, const char* what) {
 // page_table[slot, position / page_size], position % page_size, then attending causally over
 // positions 0..position of each token's slot. cos, sin: [T, D / 2] float32 RoPE factors
 // (attention scaling included). Norms, RoPE, softmax, SiLU and the residual stream in float32;
-// keys, values and the returned h rounded to bfloat16. Every token is computed on its own.
+// keys, values and the returned h rounded to bfloat16. Every token gets its own arithmetic
+// (a slot's consecutive tokens share only exact conversions of the keys and values they read).
 at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
                          const at::Tensor& post_norm, double eps, const QTuple& qkv,
                          const std::optional<at::Tensor>& qkv_bias, const QTuple& o_proj,
@@ -574,7 +631,8 @@ at::Tensor decoder_layer(const at::Tensor& h, const at::Tensor& input_norm,
     };
     return std::make_pair(at(kc), at(vc));
   };
-  attend_all(w, q, longest, scale, rows, [&](int64_t t) { return ps[t] + 1; }, attn);
+  attend_all(w, q, longest, scale, rows, [&](int64_t t) { return ps[t] + 1; },
+             [&](int64_t t) { return sl[t]; }, attn);
   return layer_output(w, eps, resid, attn, h);
 }
 
@@ -664,7 +722,8 @@ at::Tensor draft_layer(const at::Tensor& h, const at::Tensor& input_norm,
     };
     return std::make_pair(at(kc, bk.data()), at(vc, bv.data()));
   };
-  attend_all(w, q, longest, scale, rows, [&](int64_t t) { return cl[t / B] + B; }, attn);
+  attend_all(w, q, longest, scale, rows, [&](int64_t t) { return cl[t / B] + B; },
+             [&](int64_t t) { return t / B; }, attn);
   return layer_output(w, eps, resid, attn, h);
 }
 
