@@ -129,3 +129,19 @@ def test_decoder_layer_rejects_bad_inputs():
         call(positions=torch.tensor([0, 64]))
     with pytest.raises(RuntimeError, match="int64"):
         call(slots=torch.full((2,), slot, dtype=torch.int32))
+
+
+def test_a_long_block_keeps_each_tokens_bits():
+    """80 tokens of one slot in one step attend in groups of at most 32 tokens (64 query heads
+    per call, 2 per KV head here), sharing key and value conversions only: every token's
+    logits equal those of decoding it alone after the same prefix."""
+    fused, _ = int4_pair(tiny(LlamaConfig, seed=3))
+    seq = torch.randint(0, 96, (80,), generator=torch.Generator().manual_seed(1))
+    cache = fused.new_kv_cache(1, 96)
+    slot = cache.allocate(80)
+    block = fused.forward(seq, torch.full((80,), slot), torch.arange(80), cache).logits
+    cache = fused.new_kv_cache(1, 96)
+    slot = cache.allocate(80)
+    alone = torch.cat([fused.forward(seq[i:i + 1], torch.tensor([slot]), torch.tensor([i]),
+                                     cache).logits for i in range(80)])
+    assert torch.equal(block, alone)
