@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from dspark_serve.ops.extension import capturing, use_cuda_kernel
+from dspark_serve.sampling.argmax import row_argmax
 from dspark_serve.sampling.sampler import sample_from_probs
 from dspark_serve.sampling.warping import GREEDY_TEMPERATURE, warp_probs
 from dspark_serve.types import DraftBlock, SamplingTensors
@@ -148,7 +149,7 @@ def sequential_sample(base_logits: torch.Tensor, anchor: torch.Tensor,
     if bias_step is None:
         logits = base_logits.float()
         if greedy:
-            tokens = logits.argmax(dim=-1)
+            tokens = row_argmax(logits)
         else:
             probs = warp_probs(logits.reshape(r * gamma, vocab),
                                sampling.repeat_interleave(gamma)).view(r, gamma, vocab)
@@ -160,7 +161,7 @@ def sequential_sample(base_logits: torch.Tensor, anchor: torch.Tensor,
         for k in range(gamma):
             logits_k = base_logits[:, k].float() + bias_step(k, prev).float()
             if greedy:
-                prev = logits_k.argmax(dim=-1)
+                prev = row_argmax(logits_k)
             else:
                 prob_list.append(warp_probs(logits_k, sampling))
                 prev = sample_from_probs(prob_list[-1], uniforms[:, k].contiguous())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark_serve.sampling.argmax import row_argmax
 from dspark_serve.types import SamplingTensors
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
@@ -49,7 +50,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     one_hot = None
     if bool(greedy.any()):
         one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        one_hot.scatter_(1, row_argmax(logits)[:, None], 1.0)
         if bool(greedy.all()):
             return one_hot
     temperature = torch.where(greedy, torch.ones_like(params.temperature), params.temperature)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark_serve.sampling.argmax import row_argmax
 from dspark_serve.sampling.sampler import draw_uniforms
 from dspark_serve.sampling.warping import GREEDY_TEMPERATURE, warp_probs
 from dspark_serve.structured.compiler import GrammarState
@@ -128,7 +129,7 @@ def greedy_verify(logits: torch.Tensor, meta: SpecMetadata) -> tuple[torch.Tenso
     """
     g = meta.gamma
     best = logits.new_zeros(meta.num_rows, g + 1, dtype=torch.int64)
-    best[meta.logit_rows, meta.logit_cols] = logits.argmax(dim=-1)
+    best[meta.logit_rows, meta.logit_cols] = row_argmax(logits)
     verified = torch.arange(g, device=logits.device)[None, :] < meta.verify_lengths[:, None]
     match = (meta.drafts == best[:, :g]) & verified
     num_accepted = match.to(torch.int64).cumprod(dim=1).sum(dim=1)

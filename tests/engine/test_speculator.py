@@ -92,6 +92,45 @@ def test_hybrid_drafts_only_rows_lookup_does_not_take(monkeypatch):
     assert torch.allclose(block.probs[1:].sum(-1), torch.ones(2, 3))
 
 
+def _cached_context(spec, slots):
+    lengths = spec.cache.lengths[slots]
+    return lengths.tolist(), [c[i, :n] for c in spec.cache.context(0, slots, int(lengths.max()))
+                              for i, n in enumerate(lengths.tolist())]
+
+
+def test_a_reused_slot_drops_its_last_requests_pending_taps():
+    """Slot 0's request leaves with 5 taps still pending and a new request takes the slot:
+    after the flush, slots 0 and 1 hold exactly what a speculator that only ever saw the new
+    request (and slot 1) holds, bit for bit."""
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    taps = torch.randn(11, drafter.config.context_dim)
+    spec, fresh = speculator(drafter), speculator(drafter)
+    spec.extend(torch.tensor([0] * 5 + [1] * 3), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]), taps[:8])
+    spec.reset_slot(0)
+    spec.extend(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 3]), taps[8:])
+    fresh.extend(torch.tensor([1] * 3), torch.tensor([0, 1, 2]), taps[5:8])
+    fresh.extend(torch.tensor([0, 0, 1]), torch.tensor([0, 1, 3]), taps[8:])
+    spec.flush()
+    fresh.flush()
+    (lengths, ctx), (want_lengths, want) = (_cached_context(s, torch.tensor([0, 1]))
+                                            for s in (spec, fresh))
+    assert lengths == want_lengths == [2, 4]
+    assert all(torch.equal(a, b) for a, b in zip(ctx, want))
+
+
+def test_the_pending_backlog_is_bounded(monkeypatch):
+    """Without drafts (many users), committed taps are projected once more than
+    MAX_PENDING_TOKENS wait, not kept without bound."""
+    monkeypatch.setattr("dspark_serve.engine.speculator.MAX_PENDING_TOKENS", 6)
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    spec = speculator(drafter)
+    for step in range(3):      # 4 slots x 1 token per step
+        spec.extend(torch.arange(4), torch.full((4,), step),
+                    torch.randn(4, drafter.config.context_dim))
+    assert spec.cache.lengths.tolist() == [2, 2, 2, 2]     # flushed at 8 > 6 tokens
+    assert spec._pending_tokens == 4
+
+
 def test_nothing_to_verify_is_a_plain_step():
     """No row has a lookup match and no drafter runs: no block at all (the engine then takes
     a plain decode step), every length 0, and no lookup round to learn from; a row that
