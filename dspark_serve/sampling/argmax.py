@@ -2,9 +2,9 @@
 
 torch's CPU ``argmax`` over the vocabulary is slow: one thread, float32 [16, 49152] logits,
 1.34 ms against NumPy's 0.11 ms (1 row: 82 vs 7 us), ~3 % of a 16-user decode step of the
-int4 SmolLM2 target (2-core Intel Xeon, 2026-12-05). NumPy's argmax has the same semantics (the first of equal maxima; a NaN
-counts as the maximum, the first one wins), so CPU float tensors go through it; anything else
-keeps torch's.
+int4 SmolLM2 target (2-core Intel Xeon, 2026-12-05). NumPy's argmax has the same semantics
+(the first of equal maxima; a NaN counts as the maximum, the first one wins), so CPU float
+tensors go through it; anything else keeps torch's.
 """
 from __future__ import annotations
 
