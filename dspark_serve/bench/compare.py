@@ -2,11 +2,13 @@
 llama.cpp (plain and prompt-lookup drafting) on the same GGUF weights, threads and prompts.
 
 What a CPU user would otherwise run is llama.cpp (through llama-cpp-python, the optional
-``[bench]`` extra). Configurations are measured in interleaved rounds, each round running
-every configuration at every concurrency in a rotated order, so a slow period of a shared
-host lands on all of them alike; each cell reports the median over rounds. Our engine serves
+``[bench]`` extra). Our configurations run in lockstep, one engine step of each in turn
+(``bench.serving.run_lockstep``, each timed by its own steps), so a slow moment of a shared
+host lands on all of them alike: cells run one after another read the same configuration up
+to 15-20 % apart on this project's 2-core VM. llama.cpp's configurations run after them;
+each cell reports the median over rounds. Our engine serves
 a cell as C users in a closed loop over ``cell_prompts(C)`` prompts, the next prompt
-submitted as soon as a request finishes, its aggregate counted while all C are in flight
+submitted as soon as a request finishes, its aggregate counted over the loop's steady state
 (``bench.serving.run_batch``); llama.cpp's ``Llama`` decodes one
 sequence at a time, as its OpenAI server (``python -m llama_cpp.server``) serves requests, so
 it runs the same prompts one after another: its aggregate tok/s is its single-stream rate and
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from dspark_serve.bench.serving import (DEFAULT_CONCURRENCY, CellResult, chat_prompts,
-                                        run_batch)
+                                        closed_loop, run_lockstep)
 from dspark_serve.engine.config import QUANTIZATIONS, EngineConfig
 from dspark_serve.engine.llm_engine import LLMEngine
 from dspark_serve.assets.default_model import default_gguf_path
@@ -223,28 +225,29 @@ def main(args: argparse.Namespace) -> int:
         for mode in llama_modes:
             runners[mode] = LlamaRunner(default_gguf_path(), args.threads, mode != "llama.cpp",
                                         context=2048)
-    def run(name: str, users: int, max_tokens: int) -> CellResult:
-        runner = runners[name]
-        if name in OUR_MODES:
-            return run_batch(runner, prompts[:cell_prompts(users)], max_tokens, name,
-                             concurrency=users)
-        return runner.run_batch(prompts[:cell_prompts(users)], max_tokens, users)
 
-    for name in runners:   # warm-up
-        run(name, 1, 4)
+    def run(names: list[str], users: int, max_tokens: int) -> dict[str, CellResult]:
+        """One cell per configuration: ours in lockstep, then llama.cpp's one by one."""
+        cell = prompts[:cell_prompts(users)]
+        ours = run_lockstep({n: closed_loop(runners[n], cell, max_tokens, n, users)
+                             for n in names if n in OUR_MODES})
+        return ours | {n: runners[n].run_batch(cell, max_tokens, users)
+                       for n in names if n not in OUR_MODES}
+
+    run(list(runners), 1, 4)   # warm-up
     cells: dict[tuple[str, int], list[CellResult]] = {}
     names = list(runners)
     for rnd in range(args.rounds):
-        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-            for c in conc:
-                cell = run(name, c, args.max_tokens)
+        for c in conc:
+            for name, cell in run(names[rnd % len(names):] + names[:rnd % len(names)], c,
+                                  args.max_tokens).items():
                 cells.setdefault((name, c), []).append(cell)
-                print(f"# round {rnd + 1} {name} c={c}: {cell.user_tok_s:.1f} tok/s/user",
-                      file=sys.stderr, flush=True)
+                print(f"# round {rnd + 1} {name} c={c}: {cell.user_tok_s:.1f} tok/s/user, "
+                      f"{cell.agg_tok_s:.1f} aggregate", file=sys.stderr, flush=True)
     rows = with_ratios([median_cells(v) for v in cells.values()])
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"# {args.max_tokens} tokens/request, greedy, MT-Bench prompts, {args.threads} "
-          f"thread(s) each, ours {args.quantization}, median of {args.rounds} interleaved "
+          f"thread(s) each, ours {args.quantization} in lockstep, median of {args.rounds} "
           f"rounds, load average {load}")
     print(format_rows(rows))
     return 0

@@ -165,7 +165,7 @@ class LLMEngine:
                                self.generator)
         run = self.runner.run(plan, batch)
         verdict = self.sampler.verify(run.logits, run.meta, batch)
-        self.runner.observe(plan, verdict)
+        self.runner.observe(plan, run, verdict)
         outputs, failure, context = postprocess(
             plan, run, verdict, stats, eos_ids=self.eos_ids, max_model_len=self.max_model_len,
             gamma=self.gamma, release=self.scheduler.release)

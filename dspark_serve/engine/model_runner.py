@@ -32,7 +32,9 @@ class ModelRun:
     meta: the verify layout; logits: [N, V] float32; taps: [T, C] target taps of every flat
     token; starts: flat index of each request's first token (decoding, then prefill
     requests); grammar_seconds: time spent fitting drafts to grammars; batch_tokens: T of a
-    step without prefill tokens (what the verify-length scheduler prices), else None.
+    step without prefill tokens (what the verify-length scheduler prices), else None;
+    propose_seconds: time spent proposing (lookup, drafting, scheduling, grammar fitting) in
+    a step that proposed, else None.
     """
 
     meta: SpecMetadata
@@ -41,6 +43,7 @@ class ModelRun:
     starts: list[int]
     grammar_seconds: float
     batch_tokens: int | None = None
+    propose_seconds: float | None = None
 
 
 class ContextUpdates:
@@ -82,11 +85,13 @@ class ModelRunner:
     def run(self, plan: StepPlan, batch: SamplingBatch) -> ModelRun:
         """Draft (filling ``plan.block`` / ``plan.lengths``), then forward the whole step.
         ``batch`` holds the plan's verify rows (its first R_d rows are ``plan.decode``)."""
-        grammar_seconds = 0.0
+        grammar_seconds, propose_seconds = 0.0, None
         if plan.decode and self.speculator is not None \
                 and self.speculator.should_draft(len(plan.decode)):
+            start = time.perf_counter()
             self.propose(plan, batch)
             grammar_seconds = self.constrain_drafts(plan, batch)
+            propose_seconds = time.perf_counter() - start
         ids, slots, pos, starts = plan.flat_tokens()
         drafts, draft_probs = plan.verify_drafts(self.device)
         lengths = plan.lengths.tolist() + [0] * len(plan.prefill_done)
@@ -96,7 +101,7 @@ class ModelRunner:
         out = self.target.forward(as_tensor(ids), as_tensor(slots), as_tensor(pos), self.kv,
                                   meta.logit_indices)
         return ModelRun(meta, out.logits, out.taps, starts, grammar_seconds,
-                        None if plan.prefill else len(ids))
+                        None if plan.prefill else len(ids), propose_seconds)
 
     def propose(self, plan: StepPlan, batch: SamplingBatch) -> None:
         """Draft and schedule the decoding requests (fills plan.block / plan.lengths)."""
@@ -148,10 +153,15 @@ class ModelRunner:
         constrain_drafts(states, plan.block.tokens, plan.block.probs, plan.lengths, uniforms)
         return time.perf_counter() - start
 
-    def observe(self, plan: StepPlan, verdict: Verdict) -> None:
-        """Hand the step's verify outcomes to the speculator (lookup survival follows them)."""
-        if self.speculator is not None and plan.block is not None:
-            self.speculator.observe(plan.lengths, verdict.num_accepted[:len(plan.decode)])
+    def observe(self, plan: StepPlan, run: ModelRun, verdict: Verdict) -> None:
+        """Hand the step's verify outcomes to the speculator (lookup survival and the
+        proposing gate follow them)."""
+        if self.speculator is None or run.propose_seconds is None:
+            return
+        accepted = verdict.num_accepted[:len(plan.decode)]
+        self.speculator.observe_proposal(plan.lengths, accepted, run.propose_seconds)
+        if plan.block is not None:
+            self.speculator.observe(plan.lengths, accepted)
 
     def observe_step(self, run: ModelRun, seconds: float) -> None:
         """Hand the step's wall time (seconds) to the speculator, which prices verification

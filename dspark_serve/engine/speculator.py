@@ -34,9 +34,11 @@ from dspark_serve.scheduling import AsyncScheduler, make_scheduler
 from dspark_serve.scheduling.cost_table import CostTable
 from dspark_serve.types import DraftBlock, SamplingTensors, dense_draft_probs
 
-# Committed tokens whose taps may wait for the drafter's next draft: past this many, ``extend``
-# projects them at once, so a server whose drafter stops paying (many users) holds a bounded
-# backlog (~6 MB of SmolLM2 taps) and pays it in ~20 ms steps, not one long stall.
+# Committed tokens whose taps may wait for the drafter's next draft: past this many (the
+# drafter has not drafted for that long: it does not pay, as with many users), ``extend``
+# gives up the drafter's context of the slots waiting (``drop_context``), so such a server
+# holds a bounded backlog (~6 MB of SmolLM2 taps) and pays no projection for a drafter that
+# does not run (it cost ~1.5 % of 16-user hybrid serving).
 MAX_PENDING_TOKENS = 1024
 # Survival of a lookup draft without a calibration file: a guess between the measured
 # position-1 acceptance of SmolLM2 lookup (0.53) and later positions (0.85-0.93).
@@ -129,6 +131,9 @@ class Speculator:
         # (len(_pending) when reset, slot): that slot's entries before it belong to the
         # request that left it; ``flush`` drops them
         self._stale: list[tuple[int, int]] = []
+        # [num_slots] bool: slots whose drafter context was given up (until a new request)
+        self._dropped = (torch.zeros(num_slots, dtype=torch.bool, device=self.cache.lengths.device)
+                         if self.cache is not None else None)
         self._step_draft_seconds = 0.0    # the drafter's wall time in the current step
 
     def should_draft(self, num_requests: int) -> bool:
@@ -137,8 +142,13 @@ class Speculator:
         always; always with ``always_draft``. With prompt lookup: unless the scheduler finds
         that even lookup's best calibrated survival cannot pay for verification at this R
         (``verifying_pays``) and the drafter does not pay either; ``propose`` then decides
-        whether the drafter runs, knowing the lookup rows' survival. False means a plain
-        decode step (verify lengths 0)."""
+        whether the drafter runs, knowing the lookup rows' survival. Before all that, the
+        scheduler's ``proposing_pays``: the proposing steps at this R saved at least the
+        seconds they spent proposing (``observe_proposal``), or a probe is due. False means
+        a plain decode step (verify lengths 0)."""
+        gate = getattr(self.scheduler, "proposing_pays", None)
+        if not self.always_draft and gate is not None and not gate(num_requests):
+            return False
         if self.lookup is None:
             return self._drafter_pays(num_requests, None)
         decide = getattr(self.scheduler, "verifying_pays", None)
@@ -166,17 +176,34 @@ class Speculator:
             return
         if self._pending:
             self._stale.append((len(self._pending), slot))
+        self._dropped[slot] = False
         self.cache.reset(torch.tensor([slot], device=self.cache.lengths.device))
 
     def extend(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
         """Add committed tokens' target taps ([N] slots, [N] positions, [N, C]) to the
-        context (projected at the next ``propose``, or ``flush``, or here once more than
-        ``MAX_PENDING_TOKENS`` wait); nothing without a drafter."""
-        if self.cache is not None and slots.numel():
-            self._pending.append((slots, positions, taps))
-            self._pending_tokens += slots.numel()
-            if self._pending_tokens > MAX_PENDING_TOKENS:
-                self.flush()
+        context (projected at the next ``propose`` or ``flush``); once more than
+        ``MAX_PENDING_TOKENS`` wait, their slots' contexts are given up instead
+        (``drop_context``). Nothing without a drafter, nothing for slots given up."""
+        if self.cache is None or not slots.numel():
+            return
+        if bool(self._dropped.any()):
+            keep = ~self._dropped[slots]
+            slots, positions, taps = slots[keep], positions[keep], taps[keep]
+            if not slots.numel():
+                return
+        self._pending.append((slots, positions, taps))
+        self._pending_tokens += slots.numel()
+        if self._pending_tokens > MAX_PENDING_TOKENS:
+            self.drop_context()
+
+    def drop_context(self) -> None:
+        """Give up the drafter's context of every slot with taps waiting: the drafter no
+        longer drafts for them (prompt lookup still does) until ``reset_slot`` hands the slot
+        to a new request. Keeping them would mean projecting every committed token for a
+        drafter that has not drafted for ``MAX_PENDING_TOKENS`` tokens."""
+        if self._pending:
+            self._dropped[torch.cat([p[0] for p in self._pending])] = True
+        self._pending, self._pending_tokens, self._stale = [], 0, []
 
     def flush(self) -> None:
         """Project every pending committed token into the drafter's context now (its wall
@@ -221,35 +248,44 @@ class Speculator:
             verify or the scheduler admitted none of its drafts: a plain decode step.
         """
         r, g, device = slots.numel(), self.gamma, slots.device
-        by_drafter = torch.ones(r, dtype=torch.bool, device=device)
-        if self.lookup is not None:
+        # rows the drafter may draft: those whose context it still holds (``drop_context``)
+        by_drafter = (~self._dropped[slots] if self._dropped is not None
+                      else torch.ones(r, dtype=torch.bool, device=device))
+        if self.lookup is None:
+            caps = caps * by_drafter
+        else:
             found_round = lookup_round or self.lookup_drafts(slots.tolist(), texts)
             as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
             lookup_tokens, found, match_len = (as_tensor(x) for x in (
                 found_round.tokens, found_round.found, found_round.match_len))
-            by_drafter = match_len < (self.lookup.min_match if self.drafter is not None else 1)
+            by_drafter &= match_len < (self.lookup.min_match if self.drafter is not None else 1)
             taken = ~by_drafter
-            # lookup rows verify at most the tokens found
-            caps = torch.where(taken, torch.minimum(caps, found), caps)
-            known_confidence = self.lookup_survival.confidence(match_len, g) * taken[:, None]
-            rows_taken = taken.nonzero().flatten().cpu().numpy()
-            self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken])
+            survival = self.lookup_survival.confidence(match_len, g)
+            lookup_caps = torch.minimum(caps, found)     # lookup rows verify the tokens found
             if self.drafter is None or not (drafter_runs if drafter_runs is not None else
                                             self._drafter_pays(int(by_drafter.sum()),
-                                                               known_confidence[taken]
-                                                               * self._allowed(caps[taken]))):
-                caps = caps * taken    # rows nobody drafts verify none
+                                                               survival[taken] * self._allowed(
+                                                                   lookup_caps[taken]))):
+                # nobody drafts: lookup takes every matched row, as prompt lookup alone does
+                # (hybrid left its short matches to a drafter that did not run)
+                taken = match_len > 0
                 by_drafter = torch.zeros_like(by_drafter)
+                caps = lookup_caps * taken
+            else:
+                caps = torch.where(taken, lookup_caps, caps)
+            known_confidence = survival * taken[:, None]
+            rows_taken = taken.nonzero().flatten().cpu().numpy()
+            self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken])
         rows = by_drafter.nonzero().flatten()
-        if self.lookup is not None and not rows.numel() and not bool((caps * taken).any()):
-            # Nothing to verify (no usable match, drafter off): a plain decode step, without
-            # the scheduling and block bookkeeping (~0.3 ms of a CPU step). The scheduler
-            # would admit nothing and record no drafter history, so skipping it changes no
-            # decision.
+        if not rows.numel() and (self.lookup is None or not bool((caps * taken).any())):
+            # Nothing to verify (no usable match, drafter off or without context): a plain
+            # decode step, without the scheduling and block bookkeeping (~0.3 ms of a CPU
+            # step). The scheduler would admit nothing and record no drafter history, so
+            # skipping it changes no decision.
             self._lookup_rounds = None
             return None, torch.zeros_like(caps)
         block = None
-        if rows.numel() or (self.drafter is not None and self.lookup is None):
+        if rows.numel():
             self.flush()   # catching up on skipped steps is not this draft's cost
             start = time.perf_counter()
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
@@ -265,7 +301,8 @@ class Speculator:
         if block is None or rows.numel() < r:
             # lookup rows one-hot (probs None: built only where needed), drafter rows copied
             # in: [R, gamma, V] only when mixing with drafter rows that sample
-            tokens = lookup_tokens.masked_fill(~taken[:, None], 0)
+            tokens = (lookup_tokens.masked_fill(~taken[:, None], 0) if self.lookup is not None
+                      else torch.zeros(r, g, dtype=torch.int64, device=device))
             probs = None
             conf_logits = torch.zeros(r, g, dtype=torch.float32, device=device)
             if block is not None:
@@ -328,6 +365,15 @@ class Speculator:
             found.append(len(draft.tokens))
             match_len.append(draft.match_len)
         return LookupRound(rows, found, match_len)
+
+    def observe_proposal(self, lengths: torch.Tensor, num_accepted: list[int],
+                         seconds: float) -> None:
+        """A step that proposed (``should_draft`` said yes): lengths [R] int64 verified,
+        num_accepted [R] drafts accepted per row, seconds spent proposing; for the
+        scheduler's ``proposing_pays``, where it has one."""
+        observe = getattr(self.scheduler, "observe_proposal", None)
+        if observe is not None:
+            observe(lengths.numel(), int(lengths.sum()), sum(num_accepted), seconds)
 
     def observe(self, lengths: torch.Tensor, num_accepted: list[int]) -> None:
         """Count the verified outcome of the last ``propose``'s lookup rows into their

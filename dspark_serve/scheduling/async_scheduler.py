@@ -47,6 +47,19 @@ made plain serving ~10 % slower on a 2-core CPU). Where the drafter pays, this c
 where it cannot (a weak drafter, a CPU), serving falls back to plain decoding instead of
 running slower than it.
 
+Beyond the paper: proposing must pay for itself. Prompt lookup, drafting and the scheduling
+around them cost wall time in every step that proposes (measured: ~1 ms of a ~31 ms step at 16
+users on a 2-core CPU), while a verified draft token there costs about as much as it saves, so
+16-user prompt lookup served 3 % fewer tokens/s than plain decoding. The engine reports each
+proposing step's outcome (``observe_proposal``); its net gain is the seconds it saved under the
+step prices (accepted drafts at a plain step's price per token, less the verify batch's extra
+price) less the seconds proposing took. ``proposing_pays`` keeps proposing while the average
+net gain at this R loses at most ``PROPOSAL_MARGIN`` of a plain step, else makes steps plain
+decoding, proposing every ``PROPOSAL_PROBE_INTERVAL``-th step (a probe, weighing in the average
+as the steps it stands for). The margin and the average's memory keep prompt lookup at one
+user, whose gains come in bursts and whose steps without a match cost ~0.05 ms of ~8: a gate
+on short windows closed between bursts. Lossless: finished steps only.
+
 Beyond the paper: served step times. The engine reports each decode step's wall time outside
 drafting (``observe_step``), and SPS(B) is the profile corrected by them
 (``step_cost.MeasuredStepCost``), so a profile that made verification look cheap stops
@@ -70,6 +83,12 @@ PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 256
 # Weight of the newest measurement in the drafting-time average.
 DRAFT_TIME_EMA = 0.25
+# Weight of the newest proposing step in the average net gain of proposing (~50 steps of
+# memory), the loss (a fraction of a plain step's time) it may show before steps stop
+# proposing, and the plain steps between proposals then (probes).
+PROPOSAL_EMA = 0.005
+PROPOSAL_MARGIN = 0.01
+PROPOSAL_PROBE_INTERVAL = 16
 
 
 class AsyncScheduler:
@@ -98,13 +117,19 @@ class AsyncScheduler:
         self._draft_seconds: dict[int, float] = {}   # R -> moving average of drafting time
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
-        # worth_drafting's last answer without known rows: (R, state versions) -> pays. The
-        # answer changes only with R, the history, the drafting times or the step prices (new
-        # versions), so the steps between drafts (most steps where drafting does not pay)
-        # reuse it.
+        # worth_drafting's last answer: (R, known rows, state versions) -> pays. Without
+        # known rows the answer changes only with R, the history, the drafting times or the
+        # step prices (new versions), so the steps between drafts (most steps where drafting
+        # does not pay) reuse it; with known rows it also reuses the answer for the same
+        # number of them (their survival moves it little; recomputing it cost ~0.15 ms, ~1 %
+        # of a 4-user CPU step).
         self._version = 0
-        self._pays: tuple[tuple[int, int, int], bool] | None = None
+        self._pays: tuple[tuple[int, int, int, int], bool] | None = None
         self._verify_pays: tuple[tuple, bool] | None = None   # verifying_pays' last answer
+        # R -> (moving average of the net gain, count) of the steps that proposed
+        self._proposals: dict[int, tuple[float, int]] = {}
+        self._plain_steps = 0     # steps since the last proposal that proposing_pays refused
+        self._represents = 1      # steps the next observed proposal stands for (a probe: more)
 
     def reset(self) -> None:
         """Forget the history, the drafting and the served step times (a new, unrelated run
@@ -114,6 +139,8 @@ class AsyncScheduler:
         self.step_cost = MeasuredStepCost(self.cost_table)
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
+        self._proposals.clear()
+        self._plain_steps, self._represents = 0, 1
         self._version += 1
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
@@ -127,6 +154,44 @@ class AsyncScheduler:
         """Record a served decode step: B target positions (R + verified drafts, no prefill)
         and its wall time outside drafting, in seconds (``MeasuredStepCost.observe``)."""
         self.step_cost.observe(batch_tokens, seconds)
+
+    def observe_proposal(self, num_requests: int, verified: int, accepted: int,
+                         seconds: float) -> None:
+        """Record a step that proposed for its R decoding requests: ``verified`` draft tokens
+        verified, ``accepted`` of them accepted, ``seconds`` spent proposing (prompt lookup,
+        drafting, scheduling). Its net gain, a fraction of a plain step: (accepted * price(R)
+        / R - (price(R + verified) - price(R)) - seconds) / price(R), price(B) = 1 / SPS(B)
+        as served (module docstring); a probe weighs as the steps it stands for. Steps with
+        a verify batch beyond the cost table are ignored."""
+        if num_requests <= 0:
+            return
+        sps = self.step_cost.sps_range(num_requests, num_requests + verified + 1)
+        plain, verify = float(sps[0]), float(sps[-1])
+        if not (plain > 0 and verify > 0):
+            return
+        net = accepted / num_requests - plain / verify + 1.0 - seconds * plain
+        weight, self._represents = min(1.0, PROPOSAL_EMA * self._represents), 1
+        old, count = self._proposals.get(num_requests, (net, 0))
+        self._proposals[num_requests] = (old + weight * (net - old), count + 1)
+
+    def proposing_pays(self, num_requests: int) -> bool:
+        """Whether step t proposes for its R decoding requests: yes until some R has 1 /
+        PROPOSAL_EMA proposing steps recorded (the average's memory), then while the average
+        net gain at the nearest such R stays above -PROPOSAL_MARGIN of a plain step;
+        otherwise every ``PROPOSAL_PROBE_INTERVAL``-th step (a probe), the others plain
+        decoding."""
+        known = [r for r, (_, count) in self._proposals.items() if count >= 1 / PROPOSAL_EMA]
+        if num_requests <= 0 or not known:
+            return True
+        net = self._proposals[min(known, key=lambda r: (abs(r - num_requests), r))][0]
+        if net >= -PROPOSAL_MARGIN:
+            self._plain_steps = 0
+            return True
+        self._plain_steps += 1
+        if self._plain_steps >= PROPOSAL_PROBE_INTERVAL:
+            self._represents, self._plain_steps = self._plain_steps, 0
+            return True
+        return False
 
     def draft_seconds(self, num_requests: int) -> float:
         """Estimated drafting seconds for R requests: the average measured at the nearest R
@@ -152,8 +217,9 @@ class AsyncScheduler:
         """
         if num_requests <= 0 or len(self._history) < LAG_STEPS:
             return True
-        key = (num_requests, self._version, self.step_cost.version)
-        if known is None and self._pays is not None and self._pays[0] == key:
+        key = (num_requests, 0 if known is None else known.shape[0], self._version,
+               self.step_cost.version)
+        if self._pays is not None and self._pays[0] == key:
             pays = self._pays[1]
         else:
             known_values = _known_values(known)
@@ -161,8 +227,7 @@ class AsyncScheduler:
             best_without = float(self._theta(num_requests, known_values, 0.0,
                                              drafting=False).max())
             pays = theta.numel() > 1 and float(theta[1:].max()) > best_without
-            if known is None:
-                self._pays = (key, pays)
+            self._pays = (key, pays)
         if pays:
             self._skipped = 0
             self._probe_interval = PROBE_INTERVAL

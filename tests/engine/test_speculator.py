@@ -26,12 +26,12 @@ TEXTS = [[1, 2, 3, 9, 1, 2],        # suffix [1, 2] matched at 0: drafts 3 9 1 (
          [8, 3, 8]]                 # [8] matched at 0: drafts 3 8 3 (match 1)
 
 
-def propose(spec, caps=(3, 3, 3), uniforms_cols=0):
+def propose(spec, caps=(3, 3, 3), uniforms_cols=0, **kwargs):
     r = len(TEXTS)
     args = (torch.arange(r), torch.tensor([t[-1] for t in TEXTS]),
             torch.tensor([len(t) - 1 for t in TEXTS]), TEXTS, SamplingTensors.uniform(r, 0.0),
             torch.full((r, uniforms_cols), 0.5), torch.tensor(caps))
-    return spec.propose(*args)
+    return spec.propose(*args, **kwargs)
 
 
 def test_lookup_alone_verifies_found_tokens_only():
@@ -92,6 +92,17 @@ def test_hybrid_drafts_only_rows_lookup_does_not_take(monkeypatch):
     assert torch.allclose(block.probs[1:].sum(-1), torch.ones(2, 3))
 
 
+def test_hybrid_without_its_drafter_verifies_what_lookup_alone_would():
+    """The drafter does not run this step: row 2's one-token match (left to the drafter,
+    min_match 2) is verified by lookup, exactly as by prompt lookup alone."""
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    block, lengths = propose(speculator(drafter), uniforms_cols=drafter.gamma,
+                             drafter_runs=False)
+    alone_block, alone = propose(speculator())
+    assert lengths.tolist() == alone.tolist() == [3, 0, 3]
+    assert torch.equal(block.tokens, alone_block.tokens) and block.probs is None
+
+
 def _cached_context(spec, slots):
     lengths = spec.cache.lengths[slots]
     return lengths.tolist(), [c[i, :n] for c in spec.cache.context(0, slots, int(lengths.max()))
@@ -118,17 +129,34 @@ def test_a_reused_slot_drops_its_last_requests_pending_taps():
     assert all(torch.equal(a, b) for a, b in zip(ctx, want))
 
 
-def test_the_pending_backlog_is_bounded(monkeypatch):
-    """Without drafts (many users), committed taps are projected once more than
-    MAX_PENDING_TOKENS wait, not kept without bound."""
+@pytest.mark.parametrize("lookup", [True, False])
+def test_a_drafter_that_does_not_draft_gives_up_the_waiting_contexts(monkeypatch, lookup):
+    """Once more than MAX_PENDING_TOKENS taps wait (no draft for that long: many users), the
+    slots waiting lose their drafter context instead of paying its projection: nothing of
+    theirs is projected or kept, the drafter drafts only the other rows (hybrid: prompt
+    lookup still serves them; DSpark alone: they verify nothing), and a new request in the
+    slot starts a context again."""
     monkeypatch.setattr("dspark_serve.engine.speculator.MAX_PENDING_TOKENS", 6)
     drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
-    spec = speculator(drafter)
-    for step in range(3):      # 4 slots x 1 token per step
-        spec.extend(torch.arange(4), torch.full((4,), step),
-                    torch.randn(4, drafter.config.context_dim))
-    assert spec.cache.lengths.tolist() == [2, 2, 2, 2]     # flushed at 8 > 6 tokens
-    assert spec._pending_tokens == 4
+    spec = speculator(drafter) if lookup else Speculator(
+        drafter, vocab_size=V, gamma=3, scheduler="static", cost_table=None, temperatures=None,
+        threshold=0.6, max_batch_tokens=None, num_slots=4, max_len=32)
+    c = drafter.config.context_dim
+    spec.extend(torch.tensor([0] * 5 + [1] * 3), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
+                torch.randn(8, c))                          # 8 > 6 waiting: slots 0, 1 dropped
+    spec.extend(torch.tensor([2, 2, 1]), torch.tensor([0, 1, 3]), torch.randn(3, c))
+    assert spec._pending_tokens == 2                        # slot 1's new token is not kept
+    seen = []
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda cache, slots, *a: seen.append(slots.tolist())
+                        or draft(cache, slots, *a))
+    block, lengths = propose(spec, uniforms_cols=drafter.gamma)
+    assert seen == [[2]]
+    assert lengths.tolist() == ([3, 0, 3] if lookup else [0, 0, 3])
+    assert spec.cache.lengths.tolist() == [0, 0, 2, 0]      # slot 2 projected for its draft
+    spec.reset_slot(1)                                      # a new request takes slot 1
+    spec.extend(torch.tensor([1, 0]), torch.tensor([0, 5]), torch.randn(2, c))
+    assert spec._pending_tokens == 1
 
 
 def test_nothing_to_verify_is_a_plain_step():

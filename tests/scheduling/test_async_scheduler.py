@@ -5,7 +5,9 @@ import torch
 
 from dspark_serve.scheduling import AsyncScheduler, CostTable, make_scheduler
 from dspark_serve.scheduling.admission import survival
-from dspark_serve.scheduling.async_scheduler import MAX_PROBE_INTERVAL, PROBE_INTERVAL
+from dspark_serve.scheduling.async_scheduler import (MAX_PROBE_INTERVAL, PROBE_INTERVAL,
+                                                    PROPOSAL_EMA, PROPOSAL_MARGIN,
+                                                    PROPOSAL_PROBE_INTERVAL)
 
 FLAT = CostTable((1, 4096), (1.0, 1.0), 4096)
 
@@ -243,3 +245,34 @@ def test_verifying_pays_only_where_a_best_case_draft_beats_a_plain_step():
     sched.observe_step(16, 1.0)
     sched.observe_step(48, 3.0)            # served: step time proportional to B
     assert not sched.verifying_pays(16, best)
+
+
+def test_proposing_stops_where_it_loses_and_probes():
+    """Step time 8 + B / 2 seconds: a proposing step at R = 16 nets (accepted - verified / 2
+    - seconds spent) / 16 of a plain step. Proposing goes on until 1 / PROPOSAL_EMA steps are
+    averaged, stops while the average loses more than PROPOSAL_MARGIN (one probe per
+    PROPOSAL_PROBE_INTERVAL steps), and a probe that gains reopens it, weighing as the
+    steps it stood for."""
+    table = CostTable(tuple(range(1, 65)), tuple(1 / (8 + b / 2) for b in range(1, 65)), 64)
+    sched = make_scheduler("async", gamma=7, cost_table=table)
+    assert sched.proposing_pays(16)
+    memory = round(1 / PROPOSAL_EMA)
+    for _ in range(memory - 1):
+        sched.observe_proposal(16, verified=0, accepted=0, seconds=0.32)   # net -0.02
+        assert sched.proposing_pays(16)
+    sched.observe_proposal(16, verified=0, accepted=0, seconds=0.32)
+    assert sched._proposals[16][0] == pytest.approx(-0.02)
+    pattern = [False] * (PROPOSAL_PROBE_INTERVAL - 1) + [True]
+    assert [sched.proposing_pays(16) for _ in pattern] == pattern
+    assert [sched.proposing_pays(15) for _ in pattern] == pattern   # the nearest R decides
+    assert sched.proposing_pays(1) is False        # no R nearer than 16 has an average yet
+    # the probe (asked at R = 15 above) nets 0, at weight 16 * PROPOSAL_EMA: still closed
+    sched.observe_proposal(16, verified=0, accepted=0, seconds=0.0)
+    assert sched._proposals[16][0] == pytest.approx(-0.02 * (1 - 16 * PROPOSAL_EMA))
+    # the R = 1 step was the first plain step since that probe
+    assert [sched.proposing_pays(16) for _ in pattern[1:]] == pattern[1:]
+    # a probe with 7 of 7 accepted nets (7 - 3.5) / 16 and reopens it
+    sched.observe_proposal(16, verified=7, accepted=7, seconds=0.0)
+    assert -PROPOSAL_MARGIN < sched._proposals[16][0] and sched.proposing_pays(16)
+    sched.reset()
+    assert sched._proposals == {} and sched.proposing_pays(16)
