@@ -117,14 +117,16 @@ class AsyncScheduler:
         self._draft_seconds: dict[int, float] = {}   # R -> moving average of drafting time
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
-        # worth_drafting's last answer: (R, known rows, state versions) -> pays. Without
-        # known rows the answer changes only with R, the history, the drafting times or the
-        # step prices (new versions), so the steps between drafts (most steps where drafting
-        # does not pay) reuse it; with known rows it also reuses the answer for the same
-        # number of them (their survival moves it little; recomputing it cost ~0.15 ms, ~1 %
-        # of a 4-user CPU step).
+        # worth_drafting's answers: (R, known rows) -> pays, for the state versions in
+        # _pays_versions. Without known rows the answer changes only with R, the history, the
+        # drafting times or the step prices (new versions), so the steps between drafts (most
+        # steps where drafting does not pay) reuse it; with known rows it also reuses the
+        # answer for the same number of them (their survival moves it little; recomputing it
+        # cost ~0.15 ms, ~1 % of a 4-user CPU step, and a single cached answer missed whenever
+        # the split between lookup and drafter rows changed, most hybrid steps at 4 users).
         self._version = 0
-        self._pays: tuple[tuple[int, int, int, int], bool] | None = None
+        self._pays: dict[tuple[int, int], bool] = {}
+        self._pays_versions: tuple[int, int] | None = None
         self._verify_pays: tuple[tuple, bool] | None = None   # verifying_pays' last answer
         # R -> (moving average of the net gain, count) of the steps that proposed
         self._proposals: dict[int, tuple[float, int]] = {}
@@ -217,17 +219,17 @@ class AsyncScheduler:
         """
         if num_requests <= 0 or len(self._history) < LAG_STEPS:
             return True
-        key = (num_requests, 0 if known is None else known.shape[0], self._version,
-               self.step_cost.version)
-        if self._pays is not None and self._pays[0] == key:
-            pays = self._pays[1]
-        else:
+        versions = (self._version, self.step_cost.version)
+        if versions != self._pays_versions:
+            self._pays, self._pays_versions = {}, versions
+        key = (num_requests, 0 if known is None else known.shape[0])
+        pays = self._pays.get(key)
+        if pays is None:
             known_values = _known_values(known)
             theta = self._theta(num_requests, known_values, self.draft_seconds(num_requests))
             best_without = float(self._theta(num_requests, known_values, 0.0,
                                              drafting=False).max())
-            pays = theta.numel() > 1 and float(theta[1:].max()) > best_without
-            self._pays = (key, pays)
+            pays = self._pays[key] = theta.numel() > 1 and float(theta[1:].max()) > best_without
         if pays:
             self._skipped = 0
             self._probe_interval = PROBE_INTERVAL

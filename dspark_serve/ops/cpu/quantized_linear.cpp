@@ -33,6 +33,11 @@ namespace {
 constexpr int kGroup = 32;   // weights per scale pair (and activations per int8 scale)
 constexpr int kLanes = 16;   // output channels per block (one zmm of int32 / float32)
 constexpr int kRowTile = 8;  // rows sharing one unpacked weight block
+template <int Bits>
+constexpr int kBlockBytes = kLanes * kGroup * Bits / 8;   // packed bytes of one weight block
+// How many blocks ahead of use the weights are prefetched (8 to 32 measured alike; a block of
+// 4-bit weights is 256 bytes). Prefetches past the weight's end are harmless (no fault).
+constexpr int kPrefetchGroups = 16;
 
 #define DSPARK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c")))
 
@@ -110,8 +115,16 @@ DSPARK_AVX512 void block_rows(const uint8_t* packed, const uint16_t* scales, con
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int64_t g = 0; g < G; ++g) {
     const int64_t block = nb * G + g;
-    const uint8_t* wb = packed + block * (kLanes * kGroup * Bits / 8);
+    const uint8_t* wb = packed + block * kBlockBytes<Bits>;
     const uint16_t* sb = scales + block * kLanes * (Bits == 4 ? 2 : 1);
+    // The weights stream from memory once per step (60 MB for SmolLM2-135M); the hardware
+    // prefetcher alone leaves the core waiting on them between blocks, so ask for the block
+    // kPrefetchGroups ahead (one user's step 11.8 -> 10.6 ms, 8 rows 20.0 -> 16.4 ms).
+    for (int l = 0; l < kBlockBytes<Bits>; l += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchGroups * kBlockBytes<Bits> + l),
+                   _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(sb + kPrefetchGroups * kLanes * (Bits == 4 ? 2 : 1)),
+                 _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
     __m512 m = _mm512_setzero_ps();
     __m512i w[8];
