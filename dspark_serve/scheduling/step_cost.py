@@ -12,7 +12,10 @@ cost more than the profile said.
 seconds / profiled seconds, and prices every B as its profiled seconds times the ratio at B:
 linearly interpolated between the B served so far, the nearest one's outside them, 1 before
 the first step. The profile keeps the shape of SPS(B) where no step has gone; a B the profile
-made too cheap gets served and corrected. Lossless: the ratios come from finished steps only,
+made too cheap gets served and corrected. The corrected SPS stays non-increasing in B (a step
+over more tokens never takes less time): at one user B = 3 is served a few dozen times per
+thousand steps, and a slow step among them priced it above B = 4 (SPS 64.2 against 74.7),
+which made verifying two lookup drafts look dearer than three. Lossless: the ratios come from finished steps only,
 never from the drafts of the step being scheduled.
 """
 from __future__ import annotations
@@ -46,7 +49,8 @@ class MeasuredStepCost:
         self.version = 0          # bumps whenever the prices change
         self._ratio: dict[int, float] = {}     # B -> served / profiled seconds (average)
         self._priced: dict[int, float] = {}    # the ratios the current prices use
-        self._scale: dict[torch.device, torch.Tensor] = {}
+        # device -> corrected SPS [max_batch_tokens + 1] float64 (index B; 0 at B = 0)
+        self._dense: dict[torch.device, torch.Tensor] = {}
 
     def observe(self, batch_tokens: int, seconds: float) -> None:
         """Record one served step: ``batch_tokens`` B target positions (decode tokens plus
@@ -61,7 +65,7 @@ class MeasuredStepCost:
         priced = self._priced.get(batch_tokens)
         if priced is None or abs(self._ratio[batch_tokens] - priced) > REPRICE_REL * priced:
             self._priced = dict(self._ratio)
-            self._scale.clear()
+            self._dense.clear()
             self.version += 1
 
     def ratio(self, batch_tokens: int) -> float:
@@ -73,19 +77,27 @@ class MeasuredStepCost:
 
     def sps_range(self, start: int, stop: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Corrected SPS(B) for B = start..stop-1: float64 [stop - start] (0 above the limit,
-        as ``CostTable.sps_range``; same errors)."""
-        sps = self.table.sps_range(start, stop, device)
+        as ``CostTable.sps_range``; same errors). Non-increasing in B: a step over more tokens
+        never takes less time, so where the corrected times say otherwise (a B served a few
+        times, one slow step among them) B takes the price of the cheapest larger B."""
         if not self._priced:
-            return sps
+            return self.table.sps_range(start, stop, device)
+        if not 1 <= start <= stop:
+            raise ValueError(f"need 1 <= start <= stop, got start={start}, stop={stop}")
         device = torch.device(device)
-        scale = self._scale.get(device)
-        if scale is None:
+        dense = self._dense.get(device)
+        if dense is None:
             known = sorted(self._priced)
-            grid = np.arange(self.max_batch_tokens + 1)
-            scale = torch.from_numpy(np.interp(grid, known, [self._priced[b] for b in known]))
-            scale = self._scale[device] = scale.to(device)
+            grid = np.arange(1, self.max_batch_tokens + 1)
+            ratios = np.interp(grid, known, [self._priced[b] for b in known])
+            corrected = self.table.sps_range(1, self.max_batch_tokens + 1).numpy() / ratios
+            corrected = np.maximum.accumulate(corrected[::-1])[::-1]
+            dense = torch.from_numpy(np.concatenate([[0.0], corrected])).to(device)
+            self._dense[device] = dense
         stop_in = min(stop, self.max_batch_tokens + 1)
-        ratios = torch.ones(stop - start, dtype=torch.float64, device=device)
+        if stop <= stop_in:
+            return dense[start:stop]   # a view: callers only read it, as the table's
+        sps = torch.zeros(stop - start, dtype=torch.float64, device=device)
         if stop_in > start:
-            ratios[:stop_in - start] = scale[start:stop_in]
-        return sps / ratios
+            sps[:stop_in - start] = dense[start:stop_in]
+        return sps

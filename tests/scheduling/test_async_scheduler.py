@@ -247,6 +247,21 @@ def test_verifying_pays_only_where_a_best_case_draft_beats_a_plain_step():
     assert not sched.verifying_pays(16, best)
 
 
+def test_one_slow_early_proposal_does_not_close_the_gate():
+    """The average is the plain mean until 1 / PROPOSAL_EMA steps are recorded: a first step
+    that lost 3 plain steps (a first draft's start-up) among 199 that gained 0.88 averages
+    (-3 + 199 * 0.88) / 200 and proposing goes on (an EMA seeded with -3 read -0.55)."""
+    table = CostTable(tuple(range(1, 65)), tuple(1 / (8 + b / 2) for b in range(1, 65)), 64)
+    sched = make_scheduler("async", gamma=7, cost_table=table)
+    sched.observe_proposal(1, verified=0, accepted=0, seconds=3 * 8.5)      # net -3
+    memory = round(1 / PROPOSAL_EMA)
+    for _ in range(memory - 1):
+        sched.observe_proposal(1, verified=2, accepted=1, seconds=0.0)
+    net = 1 - 9.5 / 8.5 + 1       # 1 accepted, a 3-token verify step at 9.5 s against 8.5 s
+    assert sched._proposals[1] == (pytest.approx((-3 + (memory - 1) * net) / memory), memory)
+    assert sched.proposing_pays(1)
+
+
 def test_proposing_stops_where_it_loses_and_probes():
     """Step time 8 + B / 2 seconds: a proposing step at R = 16 nets (accepted - verified / 2
     - seconds spent) / 16 of a plain step. Proposing goes on until 1 / PROPOSAL_EMA steps are

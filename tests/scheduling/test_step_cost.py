@@ -26,6 +26,19 @@ def test_ratios_interpolate_between_served_batch_sizes_and_hold_outside():
     assert torch.allclose(cost.sps_range(3, 5), expected[2:4])
 
 
+def test_a_batch_size_never_costs_more_than_a_larger_one():
+    """Served times that make B = 3 slower than B = 4 (one slow step among few) give every
+    B <= 4 the price of B = 4: SPS non-increasing in B."""
+    cost = MeasuredStepCost(TABLE)
+    cost.observe(3, 0.050)                  # 2.5x the profiled 20 ms
+    cost.observe(4, 0.020)                  # 1.0x
+    # unclamped: 100 / 2.5, 100 / 2.5, 50 / 2.5, 50, 40, 100 / 3 (ratio 1 above B = 4)
+    expected = torch.tensor([50.0, 50.0, 50.0, 50.0, 40.0, 100 / 3, 0.0, 0.0],
+                            dtype=torch.float64)
+    assert torch.allclose(cost.sps_range(1, 9), expected)
+    assert torch.allclose(cost.sps_range(5, 7), expected[4:6])
+
+
 def test_moving_average_and_repricing_threshold():
     cost = MeasuredStepCost(TABLE)
     cost.observe(2, 0.015)
