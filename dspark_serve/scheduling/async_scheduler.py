@@ -84,8 +84,9 @@ MAX_PROBE_INTERVAL = 256
 # Weight of the newest measurement in the drafting-time average.
 DRAFT_TIME_EMA = 0.25
 # Weight of the newest proposing step in the average net gain of proposing (~200 steps of
-# memory; the plain mean until that many are recorded), the loss (a fraction of a plain step's time) it may show before steps stop
-# proposing, and the plain steps between proposals then (probes).
+# memory; the plain mean until that many are recorded), the loss (a fraction of a plain
+# step's time) it may show before steps stop proposing, and the plain steps between
+# proposals then (probes).
 PROPOSAL_EMA = 0.005
 PROPOSAL_MARGIN = 0.01
 PROPOSAL_PROBE_INTERVAL = 16

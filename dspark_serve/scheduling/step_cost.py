@@ -15,8 +15,8 @@ the first step. The profile keeps the shape of SPS(B) where no step has gone; a 
 made too cheap gets served and corrected. The corrected SPS stays non-increasing in B (a step
 over more tokens never takes less time): at one user B = 3 is served a few dozen times per
 thousand steps, and a slow step among them priced it above B = 4 (SPS 64.2 against 74.7),
-which made verifying two lookup drafts look dearer than three. Lossless: the ratios come from finished steps only,
-never from the drafts of the step being scheduled.
+which made verifying two lookup drafts look dearer than three. Lossless: the ratios come
+from finished steps only, never from the drafts of the step being scheduled.
 """
 from __future__ import annotations
 
