@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -78,9 +79,19 @@ class CpuServer:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port below the kernel's ephemeral range: a port from ``bind(0)`` comes from that
+    range, and in the ~20 s before uvicorn binds it an outgoing connection or torch's
+    rendezvous may take it (CI: "address already in use")."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    for port in random.sample(range(20000, max(low, 20100)), 100):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000..ephemeral range")
 
 
 def _healthy(url: str) -> bool:
@@ -106,36 +117,51 @@ def cpu_server(default_model, tmp_path_factory):
     SGLANG_RAGGED_VERIFY_MODE (static / compact)."""
     logs = tmp_path_factory.mktemp("sglang_cpu")
 
+    def launch(name: str, args: tuple[str, ...], env: dict[str, str]) -> CpuServer:
+        """Starts the server and waits until /health answers; a port taken before the server
+        bound it is retried on another port (twice)."""
+        for attempt in range(3):
+            port = _free_port()
+            command = [sys.executable, "-m", "sglang.launch_server", "--model-path",
+                       default_model, "--device", "cpu", "--attention-backend", "torch_native",
+                       "--disable-cuda-graph", "--sampling-backend", "pytorch",
+                       "--dtype", "float32", "--context-length", "2048",
+                       "--max-total-tokens", "4096", "--random-seed", "0",
+                       "--host", "127.0.0.1", "--port", str(port), *args]
+            log = logs / f"{name}-{attempt}.log"
+            begin = time.monotonic()
+            with open(log, "w") as out:
+                process = subprocess.Popen(command, env=env, stdout=out,
+                                           stderr=subprocess.STDOUT, start_new_session=True)
+            server = CpuServer(name, process, port, log, 0.0)
+            while not _healthy(server.url):
+                # uvicorn logs the bind error but the process stays up (sglang 0.5.23)
+                if "address already in use" in log.read_text(errors="replace"):
+                    server.stop()
+                    break
+                if not server.alive() or time.monotonic() - begin > STARTUP_TIMEOUT_S:
+                    server.stop()
+                    raise AssertionError(f"SGLang server {name} did not start "
+                                         f"(exit code {process.poll()}); log:\n"
+                                         f"{server.log_tail()}")
+                time.sleep(1)
+            else:
+                server.started_in_s = time.monotonic() - begin
+                print(f"\n[{name}] server up in {server.started_in_s:.0f} s")
+                return server
+        raise AssertionError(f"SGLang server {name}: port taken on 3 tries; log:\n"
+                             f"{server.log_tail()}")
+
     @contextlib.contextmanager
     def start(name: str, *args: str, ragged_mode: str | None = None):
-        port = _free_port()
         path = [str(HARNESS_SITE), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
         env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(path)}
         env.pop("SGLANG_RAGGED_VERIFY_MODE", None)
         if ragged_mode is not None:
             env["SGLANG_RAGGED_VERIFY_MODE"] = ragged_mode
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", default_model,
-                   "--device", "cpu", "--attention-backend", "torch_native",
-                   "--disable-cuda-graph", "--sampling-backend", "pytorch",
-                   "--dtype", "float32", "--context-length", "2048",
-                   "--max-total-tokens", "4096", "--random-seed", "0",
-                   "--host", "127.0.0.1", "--port", str(port), *args]
-        log = logs / f"{name}.log"
-        begin = time.monotonic()
-        with open(log, "w") as out:
-            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        server = CpuServer(name, process, port, log, 0.0)
+        server = launch(name, args, env)
         try:
-            while not _healthy(server.url):
-                if not server.alive() or time.monotonic() - begin > STARTUP_TIMEOUT_S:
-                    raise AssertionError(f"SGLang server {name} did not start "
-                                         f"(exit code {process.poll()}); log:\n"
-                                         f"{server.log_tail()}")
-                time.sleep(1)
-            server.started_in_s = time.monotonic() - begin
-            print(f"\n[{name}] server up in {server.started_in_s:.0f} s")
             yield server
         finally:
             server.stop()
