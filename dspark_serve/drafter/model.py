@@ -126,21 +126,29 @@ class DSparkDrafter(nn.Module):
         cache.write(slots, positions, k, v, h_ctx if self.config.anchor_context else None)
 
     def block_forward(self, cache: DraftContextCache, slots: torch.Tensor,
-                      anchor_tokens: torch.Tensor,
-                      anchor_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The parallel stage for R blocks: hidden states and base logits of the gamma draft
+                      anchor_tokens: torch.Tensor, anchor_positions: torch.Tensor,
+                      num_drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parallel stage for R blocks: hidden states and base logits of the draft
         positions (block slots label_offset..block_size-1).
 
         Args:
             slots, anchor_tokens, anchor_positions: [R] int64; anchor_positions[r] <= the
                 cached context length of slots[r].
+            num_drafts: g, the first g draft positions only (1..gamma; None = gamma): the
+                block is cut to its first label_offset + g slots, so a short draft costs
+                about g / gamma of a full one. The kept slots' outputs differ slightly from
+                the full block's (they attend to fewer mask slots); exact either way, since
+                verification uses the distributions drawn.
         Returns:
-            hidden [R, gamma, d] (drafter dtype), base_logits [R, gamma, V_d] (LM-head dtype).
+            hidden [R, g, d] (drafter dtype), base_logits [R, g, V_d] (LM-head dtype).
         Raises:
-            ValueError: bad shapes or an anchor past its slot's cached context.
+            ValueError: bad shapes, num_drafts out of range or an anchor past its slot's
+                cached context.
         """
         cache.check_slots(slots)
-        r = slots.shape[0]
+        r, cfg = slots.shape[0], self.config
+        if num_drafts is not None and not 1 <= num_drafts <= cfg.gamma:
+            raise ValueError(f"num_drafts must be in 1..{cfg.gamma}, got {num_drafts}")
         for name, t in (("anchor_tokens", anchor_tokens), ("anchor_positions", anchor_positions)):
             if t.shape != (r,) or t.dtype != torch.int64 or t.device != slots.device:
                 raise ValueError(f"{name} must be int64 [{r}] on {slots.device}, got "
@@ -148,8 +156,8 @@ class DSparkDrafter(nn.Module):
         if r and bool(((anchor_positions < 0) | (anchor_positions > cache.lengths[slots])).any()):
             raise ValueError("every anchor position must be in [0, cached context length]: "
                              "all positions before the anchor need their context")
-        cfg = self.config
-        offsets = torch.arange(cfg.block_size, device=slots.device)
+        size = cfg.block_size if num_drafts is None else cfg.label_offset + num_drafts
+        offsets = torch.arange(size, device=slots.device)
         block_ids = torch.where(offsets == 0, anchor_tokens[:, None], cfg.mask_token_id)
         embed_tokens, lm_head = self.shared_modules
         block_embeds = embed_tokens(block_ids)
@@ -179,13 +187,20 @@ class DSparkDrafter(nn.Module):
         Args:
             slots, anchor_tokens, anchor_positions: [R] int64 (see ``block_forward``).
             sampling: ``SamplingTensors`` with R rows (same warping as the verifier).
-            uniforms: [R, gamma] float32 in [0, 1), one per draft position.
+            uniforms: [R, g] float32 in [0, 1), one per draft position: g = gamma drafts a
+                full block, g < gamma its first g positions only (``block_forward``'s
+                num_drafts).
         Returns:
-            ``DraftBlock``: tokens [R, gamma] int64 target ids, probs [R, gamma, V] float32
-            (exactly 0 outside a pruned draft vocabulary), conf_logits [R, gamma] float32
+            ``DraftBlock``: tokens [R, g] int64 target ids, probs [R, g, V] float32
+            (exactly 0 outside a pruned draft vocabulary), conf_logits [R, g] float32
             (zeros without a confidence head).
+        Raises:
+            ValueError: bad shapes (uniforms wider than gamma included).
         """
-        hidden, base_logits = self.block_forward(cache, slots, anchor_tokens, anchor_positions)
+        if uniforms.dim() != 2:
+            raise ValueError(f"uniforms must be [R, g], got {tuple(uniforms.shape)}")
+        hidden, base_logits = self.block_forward(cache, slots, anchor_tokens, anchor_positions,
+                                                 uniforms.shape[1])
         return sample_block(base_logits, hidden, anchor_tokens, self.markov_head,
                             self.confidence_head, sampling, uniforms,
                             draft_vocab=self.draft_vocab, vocab_size=self.config.vocab_size)

@@ -77,7 +77,8 @@ class Speculator:
             for prompt lookup alone.
         lookup: ``LookupConfig`` to propose by prompt lookup (alone or hybrid), or None.
         vocab_size: V of the target (draft probabilities are [R, gamma, V]).
-        gamma: draft tokens used per round, 1..drafter.gamma.
+        gamma: draft tokens used per round, 1..drafter.gamma (the drafter's block cut to
+            its first gamma positions: a shorter draft costs less).
         scheduler: scheduler name (``dspark_serve.scheduling.SCHEDULER_NAMES``).
         cost_table: SPS cost table (algorithm1 / async).
         temperatures: [gamma] float32 STS temperatures, or None (T = 1).
@@ -290,10 +291,7 @@ class Speculator:
             start = time.perf_counter()
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
                                        anchor_positions[rows], sampling.select(rows),
-                                       uniforms[rows])
-            block = DraftBlock(block.tokens[:, :g],
-                               None if block.probs is None else block.probs[:, :g],
-                               block.conf_logits[:, :g])
+                                       uniforms[rows, :g])
             if block.tokens.is_cuda:
                 torch.cuda.synchronize(device)
             draft_seconds = time.perf_counter() - start

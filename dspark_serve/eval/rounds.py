@@ -107,9 +107,8 @@ def run_rounds(target: TargetModel, drafter: DSparkDrafter, prompts: list[list[i
             batch = rows_batch(rows)
             block = drafter.draft(cache, slots[rows], anchor[rows], anchor_pos[rows],
                                   batch.sampling, draw_uniforms(batch.generators, drafter.gamma,
-                                                                dev))
-            drafts = block.tokens[:, :gamma]
-            draft_probs = None if block.probs is None else block.probs[:, :gamma]
+                                                                dev)[:, :gamma])  # as served
+            drafts, draft_probs = block.tokens, block.probs
             meta = SpecMetadata.build(list(range(0, r * (gamma + 1), gamma + 1)), [gamma] * r,
                                       drafts, draft_probs, gamma, dev)
             ids = torch.cat([anchor[rows, None], drafts], 1)

@@ -33,7 +33,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default=_DEFAULTS["scheduler"],
                    help="verify-length scheduler (default: %(default)s)")
-    p.add_argument("--gamma", type=int, help="block size; default: the drafter's")
+    p.add_argument("--gamma", type=int, help="draft tokens per round (a smaller gamma drafts "
+                   "with the block cut to its first gamma positions: cheaper); default: the "
+                   "drafter's block")
     p.add_argument("--threshold", type=float, default=_DEFAULTS["threshold"],
                    help="survival cut-off of the threshold scheduler (default: %(default)s)")
     p.add_argument("--cost-table", help="SPS cost table JSON; default: profile at startup")

@@ -33,6 +33,33 @@ def test_block_matches_explicit_masked_attention_reference(tiny_config, tiny_dra
     assert (leaky - reference_block_hidden(drafter, taps[:8], 9, 7)).abs().max() > 1e-2
 
 
+def test_a_short_draft_is_the_block_cut_to_its_first_slots(tiny_config, tiny_drafter,
+                                                            reference_block_hidden):
+    """num_drafts = g runs a block of label_offset + g slots: the reference of a drafter whose
+    block_size is that (same weights), not the first g rows of the full block (they attend
+    to every mask slot, so they differ); draft() takes g from its uniforms."""
+    from dspark_serve.types import SamplingTensors
+
+    drafter = tiny_drafter(tiny_config(block_size=5), seed=3)
+    short = tiny_drafter(tiny_config(block_size=3), seed=3)    # same seed: same weights
+    taps = _taps(12, drafter.config, 4)
+    cache = drafter.new_cache(1, 16)
+    drafter.extend_context(cache, torch.zeros(12, dtype=torch.long), torch.arange(12), taps)
+    args = (cache, torch.tensor([0]), torch.tensor([9]), torch.tensor([12]))
+    hidden, logits = drafter.block_forward(*args, num_drafts=3)
+    assert hidden.shape == (1, 3, drafter.config.hidden_size) and logits.shape[:2] == (1, 3)
+    ref = reference_block_hidden(short, taps, 9, 12)
+    torch.testing.assert_close(hidden[0].double(), ref, **TOL)
+    full, _ = drafter.block_forward(*args)
+    assert (full[0, :3].double() - ref).abs().max() > 1e-2
+    block = drafter.draft(*args, SamplingTensors.uniform(1, temperature=1.0),
+                          torch.rand(1, 2, generator=torch.Generator().manual_seed(5)))
+    assert block.tokens.shape == block.conf_logits.shape == (1, 2)
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="num_drafts"):
+            drafter.block_forward(*args, num_drafts=bad)
+
+
 def test_batched_slots_with_different_context_lengths(tiny_config, tiny_drafter,
                                                       reference_block_hidden):
     cfg = tiny_config(num_attention_heads=4, num_key_value_heads=1)

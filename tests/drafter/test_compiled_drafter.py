@@ -25,7 +25,7 @@ SIZES = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head
 def compiled_drafter(tiny_config, tiny_drafter, seed=0, **extra):
     """(bfloat16 drafter with compiled layers and draw, its config): every linear of the
     backbone and W2 already on the 8-bit grid, so the float64 reference sees the same weights."""
-    cfg = tiny_config(**SIZES, **extra)
+    cfg = tiny_config(**{**SIZES, **extra})
     drafter = tiny_drafter(cfg, seed=seed)
     with torch.no_grad():
         for name, module in drafter.named_modules():
@@ -71,6 +71,25 @@ def test_compiled_layers_match_the_masked_attention_reference(tiny_config, tiny_
         if pos < lengths[slot]:
             leaky = reference_block_hidden(drafter, ctx[:pos + 1], anchor, pos + 1)
             assert rel(leaky) > 2 * rel(full[row])
+
+
+def test_compiled_short_draft_matches_the_reference_of_a_short_block(tiny_config, tiny_drafter,
+                                                                     reference_block_hidden):
+    """num_drafts = 2 through the compiled layers: within 5 % of the float64 reference of the
+    same weights with a 2-slot block (int8 activations), and further from the full block's
+    first two rows."""
+    drafter, cfg = compiled_drafter(tiny_config, tiny_drafter, seed=4)
+    short, _ = compiled_drafter(tiny_config, tiny_drafter, seed=4, block_size=2)
+    taps = torch.randn(30, cfg.context_dim, generator=torch.Generator().manual_seed(6))
+    cache = drafter.new_cache(1, 40)
+    drafter.extend_context(cache, torch.zeros(30, dtype=torch.long), torch.arange(30),
+                           taps.to(torch.bfloat16))
+    args = (cache, torch.tensor([0]), torch.tensor([7]), torch.tensor([30]))
+    hidden, _ = drafter.block_forward(*args, num_drafts=2)
+    full, _ = drafter.block_forward(*args)
+    ref = reference_block_hidden(short, taps.to(torch.bfloat16), 7, 30)
+    rel = lambda x: float((x.double() - ref).norm() / ref.norm())
+    assert hidden.shape[1] == 2 and rel(hidden[0]) < 0.05 and rel(full[0, :2]) > 0.1
 
 
 def test_compiled_context_matches_the_python_projection(tiny_config, tiny_drafter):
