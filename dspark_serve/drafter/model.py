@@ -135,8 +135,8 @@ class DSparkDrafter(nn.Module):
             slots, anchor_tokens, anchor_positions: [R] int64; anchor_positions[r] <= the
                 cached context length of slots[r].
             num_drafts: g, the first g draft positions only (1..gamma; None = gamma): the
-                block is cut to its first label_offset + g slots, so a short draft costs
-                about g / gamma of a full one. The kept slots' outputs differ slightly from
+                block is cut to its first label_offset + g slots, so fewer rows go through
+                the layers, the LM head and the draw. The kept slots' outputs differ from
                 the full block's (they attend to fewer mask slots); exact either way, since
                 verification uses the distributions drawn.
         Returns:

@@ -32,8 +32,7 @@ class EngineConfig:
     scheduler: verify-length scheduler, "algorithm1" (paper Algorithm 1), "async" (Section 5.2),
         "static" (verify the whole block) or "threshold" (static confidence threshold).
     gamma: draft tokens per round; None = the drafter's trained block size (a smaller gamma
-        runs the drafter's block cut to its first gamma positions, at about gamma / block
-        of a full draft's compute).
+        runs the drafter's block cut to its first gamma positions: fewer rows per draft).
     cost_table: SPS cost table JSON (SGLang format); None = profile this machine at startup.
     calibration: STS calibration JSON; None = the calibration shipped with the drafter.
     max_model_len: context limit in tokens (prompt + completion) per request; None = the

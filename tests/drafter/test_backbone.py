@@ -3,6 +3,8 @@ reference, batching over slots with different context lengths, incremental cachi
 import pytest
 import torch
 
+from dspark_serve.types import SamplingTensors
+
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
@@ -38,8 +40,6 @@ def test_a_short_draft_is_the_block_cut_to_its_first_slots(tiny_config, tiny_dra
     """num_drafts = g runs a block of label_offset + g slots: the reference of a drafter whose
     block_size is that (same weights), not the first g rows of the full block (they attend
     to every mask slot, so they differ); draft() takes g from its uniforms."""
-    from dspark_serve.types import SamplingTensors
-
     drafter = tiny_drafter(tiny_config(block_size=5), seed=3)
     short = tiny_drafter(tiny_config(block_size=3), seed=3)    # same seed: same weights
     taps = _taps(12, drafter.config, 4)
