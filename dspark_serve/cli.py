@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "bench": "dspark_serve.bench.cli",
     "cache-features": "dspark_serve.training.cache_features",
     "calibrate": "dspark_serve.eval.calibrate_cli",
+    "corpus": "dspark_serve.training.corpus_cli",
     "eval": "dspark_serve.eval.eval_cli",
     "heldout-accept": "dspark_serve.training.heldout_accept_cli",
     "gen-data": "dspark_serve.training.gen_data_cli",

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dspark_serve.calibration.lookup import FILE_NAME as LOOKUP_FILE_NAME
+from dspark_serve.drafter.corpus_lookup import FILE_NAME as CORPUS_FILE_NAME
 from dspark_serve.drafter.checkpoint import load_drafter, read_config
 from dspark_serve.drafter.config import DRAFTER_KINDS, DSparkConfig
 from dspark_serve.drafter.draft_vocab import RANKING_FILE, load_ranking, top_tokens
@@ -42,6 +43,12 @@ def shipped_lookup_calibration(model_name: str) -> Path | None:
     """The prompt-lookup survival table shipped for a target (``<target>/ngram/``), if any."""
     path = SHIPPED_DIR / model_name / "ngram" / LOOKUP_FILE_NAME
     return path if path.is_file() else None
+
+
+def shipped_corpus(model_name: str) -> Path | None:
+    """The corpus-lookup folder shipped for a target (``<target>/corpus/``), if any."""
+    folder = SHIPPED_DIR / model_name / "corpus"
+    return folder if (folder / CORPUS_FILE_NAME).is_file() else None
 
 
 def shipped_drafter_path(model_name: str, kind: str) -> Path | None:

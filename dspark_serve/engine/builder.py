@@ -12,11 +12,15 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dspark_serve.assets.default_drafter import (LOOKUP_GAMMA, build_drafter, draft_vocab_ids,
-                                                 drafter_source, shipped_lookup_calibration)
+                                                 drafter_source, shipped_corpus,
+                                                 shipped_lookup_calibration)
 from dspark_serve.assets.default_model import MODEL_NAME, default_model_path
 from dspark_serve.calibration.io import load_sts_calibration
+from dspark_serve.calibration.lookup import FILE_NAME as LOOKUP_FILE_NAME
 from dspark_serve.calibration.lookup import LookupCalibration
-from dspark_serve.engine.config import DRAFTER_MODES, LOOKUP_MODES, EngineConfig
+from dspark_serve.drafter.corpus_lookup import FILE_NAME as CORPUS_FILE_NAME
+from dspark_serve.drafter.corpus_lookup import CorpusIndex, load_corpus
+from dspark_serve.engine.config import DRAFTER_MODES, LOOKUP_MODES, SHIPPED, EngineConfig
 from dspark_serve.engine.speculator import LookupConfig, Speculator
 from dspark_serve.model.kv_cache import KVCache
 from dspark_serve.model.target_model import TargetModel
@@ -93,9 +97,12 @@ def build_engine(config: EngineConfig, target_weights: TargetWeights | None = No
             vocab = draft_vocab_ids(draft_path, draft_config, config.draft_vocab_size)
             drafter = build_drafter(target, draft_path, draft_config, seed=config.seed,
                                     draft_vocab=vocab)
-        lookup = (LookupConfig(min_match=config.lookup_min_match,
-                               calibration=_lookup_calibration(config, model_name))
-                  if config.speculative in LOOKUP_MODES else None)
+        lookup = None
+        if config.speculative in LOOKUP_MODES:
+            corpus, corpus_calibration = _corpus(config, model_name)
+            lookup = LookupConfig(min_match=config.lookup_min_match,
+                                  calibration=_lookup_calibration(config, model_name),
+                                  corpus=corpus, corpus_calibration=corpus_calibration)
         gamma = config.gamma or (drafter.gamma if drafter else LOOKUP_GAMMA)
         scheduler = "static" if config.speculative == "dflash" else config.scheduler
         speculator = Speculator(
@@ -135,6 +142,25 @@ def _cost_table(config: EngineConfig, scheduler: str, target: TargetModel, kv: K
 def _lookup_calibration(config: EngineConfig, model_name: str) -> LookupCalibration | None:
     path = config.lookup_calibration or shipped_lookup_calibration(model_name)
     return LookupCalibration.load(path) if path else None
+
+
+def _corpus(config: EngineConfig, model_name: str
+            ) -> tuple[CorpusIndex | None, LookupCalibration | None]:
+    """Hybrid's corpus lookup and its survival table (``config.corpus``: a folder, or
+    "shipped" for the target's shipped corpus); (None, None) without one or in other modes.
+    Raises ValueError for a missing corpus or a malformed file."""
+    if config.speculative != "hybrid" or config.corpus is None:
+        return None, None
+    folder = shipped_corpus(model_name) if config.corpus == SHIPPED else Path(config.corpus)
+    if folder is None:
+        raise ValueError(f"no corpus is shipped for {model_name}: build one with "
+                         f"`dspark-serve corpus` and pass its folder")
+    if not (folder / CORPUS_FILE_NAME).is_file():
+        raise ValueError(f"{folder} has no {CORPUS_FILE_NAME} (`dspark-serve corpus` builds it)")
+    sequences, _ = load_corpus(folder / CORPUS_FILE_NAME)
+    calibration = folder / LOOKUP_FILE_NAME
+    return (CorpusIndex(sequences),
+            LookupCalibration.load(calibration) if calibration.is_file() else None)
 
 
 def _sts(config: EngineConfig, draft_path: str | None, gamma: int,

@@ -12,6 +12,8 @@ SPECULATIVE_MODES = ("none", *DRAFTER_KINDS, "ngram", "hybrid")
 # modes that run the drafter / prompt lookup
 DRAFTER_MODES = (*DRAFTER_KINDS, "hybrid")
 LOOKUP_MODES = ("ngram", "hybrid")
+# ``corpus`` value naming the corpus shipped for the target
+SHIPPED = "shipped"
 QUANTIZATIONS = ("none", "int4")
 # Default KV pool per running request (kv_cache_tokens): the former per-slot reservation.
 POOL_TOKENS_PER_SEQ = 2048
@@ -70,6 +72,12 @@ class EngineConfig:
         expectation than the shipped drafter's, see TRAINING.md).
     lookup_calibration: prompt-lookup survival table JSON (``calibration.lookup``); None =
         the table shipped for the target, if any.
+    corpus: hybrid: corpus lookup beside prompt lookup (``drafter.corpus_lookup``: drafts from
+        the target's answers to other prompts), from a folder holding ``corpus.npz`` and its
+        survival table ``lookup_calibration.json`` (``dspark-serve corpus``, ``calibrate
+        --kind corpus``), or "shipped" for the target's shipped corpus; None = off (on
+        MT-Bench at one to four users on a CPU it served within a few percent of hybrid
+        without it, README).
     draft_vocab_size: prune the drafter's draft vocabulary to the N most frequent target
         tokens of its folder's token ranking while loading (FR-Spec; lossless: draft
         probability 0 outside): None = 16384 where the drafter ships a ranking (the shipped
@@ -103,6 +111,7 @@ class EngineConfig:
     prefill_chunk: int = 256
     lookup_min_match: int = 1
     lookup_calibration: str | None = None
+    corpus: str | None = None
     draft_vocab_size: int | None = None
     mask_drafts: bool = True
 

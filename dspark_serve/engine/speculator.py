@@ -28,6 +28,7 @@ import torch
 
 from dspark_serve.calibration.lookup import LookupCalibration, OnlineLookupSurvival
 from dspark_serve.calibration.sts import calibrated_confidence
+from dspark_serve.drafter.corpus_lookup import CorpusIndex, num_keys
 from dspark_serve.drafter.model import DSparkDrafter
 from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, LookupIndex
 from dspark_serve.scheduling import AsyncScheduler, make_scheduler
@@ -43,16 +44,24 @@ MAX_PENDING_TOKENS = 1024
 # Survival of a lookup draft without a calibration file: a guess between the measured
 # position-1 acceptance of SmolLM2 lookup (0.53) and later positions (0.85-0.93).
 UNCALIBRATED_LOOKUP_SURVIVAL = 0.7
+# Survival of a corpus-lookup draft without a calibration file (a guess near the measured
+# position-1 acceptance of SmolLM2 corpus drafts, 0.2-0.8 by key).
+UNCALIBRATED_CORPUS_SURVIVAL = 0.4
+# Weight of the newest drafted step in the drafter's mean position-1 survival.
+DRAFTER_SURVIVAL_EMA = 0.05
 
 
 @dataclass(frozen=True)
 class LookupRound:
-    """Prompt lookup's drafts for the R rows of one step: tokens [R][gamma] (0 past what was
-    found), found [R] tokens found, match_len [R] matched suffix length (0 = no match)."""
+    """Lookup drafts for the R rows of one step: tokens [R][gamma] (0 past what was found),
+    found [R] tokens found, match_len [R] survival key (0 = no draft): the matched suffix
+    length of a prompt-lookup draft, ``support_key`` of a corpus draft; from_corpus [R]
+    which rows the corpus drafted."""
 
     tokens: list[list[int]]
     found: list[int]
     match_len: list[int]
+    from_corpus: list[bool]
 
 
 @dataclass(frozen=True)
@@ -62,11 +71,17 @@ class LookupConfig:
     max_ngram: longest suffix compared. min_match: with a drafter (hybrid), shortest match
     that lookup takes over a row (shorter: the drafter drafts it); alone, any match drafts.
     calibration: survival table, or None (``UNCALIBRATED_LOOKUP_SURVIVAL`` everywhere).
+    corpus: corpus lookup (``drafter.corpus_lookup``) offered beside prompt lookup, or None;
+    a row takes whichever of the two drafts has the longer expected accepted length under
+    the current survival tables. corpus_calibration: its survival table by support key, or
+    None (``UNCALIBRATED_CORPUS_SURVIVAL``).
     """
 
     max_ngram: int = DEFAULT_MAX_NGRAM
     min_match: int = 1
     calibration: LookupCalibration | None = None
+    corpus: CorpusIndex | None = None
+    corpus_calibration: LookupCalibration | None = None
 
 
 class Speculator:
@@ -123,9 +138,22 @@ class Speculator:
             prior = (lookup.calibration.conditional if lookup.calibration is not None
                      else [[UNCALIBRATED_LOOKUP_SURVIVAL] * gamma] * lookup.max_ngram)
             self.lookup_survival = OnlineLookupSurvival(prior)
+        self.corpus_survival = None
+        if lookup is not None and lookup.corpus is not None:
+            calibration = lookup.corpus_calibration
+            if calibration is not None and calibration.gamma < gamma:
+                raise ValueError(f"corpus calibration covers {calibration.gamma} positions, "
+                                 f"gamma is {gamma}")
+            self.corpus_survival = OnlineLookupSurvival(
+                calibration.conditional if calibration is not None else
+                [[UNCALIBRATED_CORPUS_SURVIVAL] * gamma] * num_keys(lookup.corpus.max_ngram))
+        # mean calibrated position-1 survival of the drafter's rows (None until it drafts): a
+        # corpus draft predicted to survive less leaves its row to the drafter
+        self._drafter_survival: float | None = None
         self._lookup_indexes: dict[int, LookupIndex] = {}   # per slot, its request's text
-        # (decoding rows lookup drafted [N], their match lengths [N]) of the last propose
-        self._lookup_rounds: tuple[np.ndarray, np.ndarray] | None = None
+        # (decoding rows lookup drafted [N], their survival keys [N], from the corpus [N]) of
+        # the last propose
+        self._lookup_rounds: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
         self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._pending_tokens = 0
@@ -153,8 +181,7 @@ class Speculator:
         if self.lookup is None:
             return self._drafter_pays(num_requests, None)
         decide = getattr(self.scheduler, "verifying_pays", None)
-        if self.always_draft or decide is None or \
-                decide(num_requests, self.lookup_survival.best_case(self.gamma)):
+        if self.always_draft or decide is None or decide(num_requests, self._best_case()):
             return True
         return self.drafter is not None and self._drafter_pays(num_requests, None)
 
@@ -259,9 +286,18 @@ class Speculator:
             as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
             lookup_tokens, found, match_len = (as_tensor(x) for x in (
                 found_round.tokens, found_round.found, found_round.match_len))
-            by_drafter &= match_len < (self.lookup.min_match if self.drafter is not None else 1)
+            from_corpus = torch.tensor(found_round.from_corpus, dtype=torch.bool, device=device)
+            survival = self._lookup_confidence(match_len, from_corpus, g)
+            if self.drafter is None:
+                by_drafter &= match_len < 1
+            else:
+                # lookup keeps its matches of min_match tokens or more; the corpus keeps a row
+                # only once the drafter's own survival is known and lower
+                corpus_wins = (torch.zeros_like(from_corpus) if self._drafter_survival is None
+                               else survival[:, 0] > self._drafter_survival)
+                by_drafter &= ~torch.where(from_corpus, corpus_wins,
+                                           match_len >= self.lookup.min_match)
             taken = ~by_drafter
-            survival = self.lookup_survival.confidence(match_len, g)
             lookup_caps = torch.minimum(caps, found)     # lookup rows verify the tokens found
             if self.drafter is None or not (drafter_runs if drafter_runs is not None else
                                             self._drafter_pays(int(by_drafter.sum()),
@@ -276,7 +312,8 @@ class Speculator:
                 caps = torch.where(taken, lookup_caps, caps)
             known_confidence = survival * taken[:, None]
             rows_taken = taken.nonzero().flatten().cpu().numpy()
-            self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken])
+            self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken],
+                                   from_corpus.cpu().numpy()[rows_taken])
         rows = by_drafter.nonzero().flatten()
         if not rows.numel() and (self.lookup is None or not bool((caps * taken).any())):
             # Nothing to verify (no usable match, drafter off or without context): a plain
@@ -317,6 +354,10 @@ class Speculator:
             temps = (self.temperatures if self.temperatures is not None
                      else torch.ones(g, device=device))
             confidence[rows] = calibrated_confidence(block.conf_logits[rows], temps)
+            mean = float(confidence[rows, 0].mean())
+            old = self._drafter_survival
+            self._drafter_survival = mean if old is None else \
+                old + DRAFTER_SURVIVAL_EMA * (mean - old)
         elif self.drafter is not None and rows.numel():
             confidence[rows] = 1.0      # DFlash: no confidence head
         confidence = confidence * self._allowed(caps)
@@ -345,24 +386,60 @@ class Speculator:
         if observe is not None and batch_tokens is not None:
             observe(batch_tokens, seconds - draft)
 
+    def _lookup_confidence(self, keys: torch.Tensor, from_corpus: torch.Tensor,
+                           gamma: int) -> torch.Tensor:
+        """[R, gamma] float32 conditional survival of lookup rows: survival keys [R] int64
+        (0 = no draft), from_corpus [R] bool (key is a corpus ``support_key``)."""
+        survival = self.lookup_survival.confidence(keys * ~from_corpus, gamma)
+        if self.corpus_survival is not None and bool(from_corpus.any()):
+            survival = torch.where(from_corpus[:, None],
+                                   self.corpus_survival.confidence(keys * from_corpus, gamma),
+                                   survival)
+        return survival
+
+    def _best_case(self) -> torch.Tensor:
+        """[gamma] conditional survival of a row at least as likely to survive as any lookup
+        or corpus row (``OnlineLookupSurvival.best_case``)."""
+        best = self.lookup_survival.best_case(self.gamma)
+        if self.corpus_survival is None:
+            return best
+        cum = torch.maximum(best.double().cumprod(0),
+                            self.corpus_survival.best_case(self.gamma).double().cumprod(0))
+        return (cum / torch.cat([cum.new_ones(1), cum[:-1]]).clamp(min=1e-12)).clamp(0, 1).float()
+
     def _allowed(self, caps: torch.Tensor) -> torch.Tensor:
         """[R, gamma] bool: slot k of row r may be verified (k < caps[r])."""
         return torch.arange(self.gamma, device=caps.device)[None, :] < caps[:, None]
 
     def lookup_drafts(self, slots: list[int], texts: list[list[int]]) -> LookupRound:
         """Prompt lookup for every row (slot, its text so far), through the slot's
-        ``LookupIndex``; plain Python, so a step where nothing matches costs no tensor work.
-        Raises AttributeError without prompt lookup."""
-        rows, found, match_len = [], [], []
+        ``LookupIndex``, and corpus lookup beside it where there is a corpus: a row takes the
+        draft with the longer expected accepted length under the current survival tables.
+        Plain Python, so a step where nothing matches costs no tensor work. Raises
+        AttributeError without prompt lookup."""
+        rows, found, keys, from_corpus = [], [], [], []
+        corpus = self.lookup.corpus
+        if corpus is not None:
+            own_gain = _expected_lengths(self.lookup_survival.table(), self.gamma)
+            corpus_gain = _expected_lengths(self.corpus_survival.table(), self.gamma)
+            corpus_best = max(corpus_gain(key, self.gamma)
+                              for key in range(1, self.corpus_survival.table().shape[0] + 1))
         for slot, text in zip(slots, texts):
             index = self._lookup_indexes.get(slot)
             if index is None:
                 index = self._lookup_indexes[slot] = LookupIndex(self.lookup.max_ngram)
             draft = index.draft(text, self.gamma)
-            rows.append(draft.tokens + [0] * (self.gamma - len(draft.tokens)))
-            found.append(len(draft.tokens))
-            match_len.append(draft.match_len)
-        return LookupRound(rows, found, match_len)
+            tokens, key, by_corpus = draft.tokens, draft.match_len, False
+            if corpus is not None and own_gain(key, len(tokens)) < corpus_best:
+                other = corpus.draft(text, self.gamma)
+                if other.tokens and corpus_gain(other.key, len(other.tokens)) > \
+                        own_gain(key, len(tokens)):
+                    tokens, key, by_corpus = other.tokens, other.key, True
+            rows.append(tokens + [0] * (self.gamma - len(tokens)))
+            found.append(len(tokens))
+            keys.append(key)
+            from_corpus.append(by_corpus)
+        return LookupRound(rows, found, keys, from_corpus)
 
     def observe_proposal(self, lengths: torch.Tensor, num_accepted: list[int],
                          seconds: float) -> None:
@@ -379,10 +456,20 @@ class Speculator:
         shortening), num_accepted [R] drafts accepted per row. No-op without prompt lookup."""
         if self._lookup_rounds is None:
             return
-        rows, match_len = self._lookup_rounds
+        rows, keys, from_corpus = self._lookup_rounds
         self._lookup_rounds = None
         verified = lengths.cpu().numpy()[rows]
         accepted = np.asarray(num_accepted, dtype=np.int64)[rows]
-        keep = verified > 0
-        if keep.any():
-            self.lookup_survival.observe(match_len[keep], verified[keep], accepted[keep])
+        for survival, mine in ((self.lookup_survival, ~from_corpus),
+                               (self.corpus_survival, from_corpus)):
+            keep = mine & (verified > 0)
+            if keep.any():
+                survival.observe(keys[keep], verified[keep], accepted[keep])
+
+
+def _expected_lengths(table: torch.Tensor, gamma: int):
+    """``gain(key, found)``: expected accepted drafts of a row with survival key ``key`` (0: no
+    draft) and ``found`` drafts under a [max_key, >= gamma] conditional survival table."""
+    cum = table[:, :gamma].double().cumprod(1).cumsum(1).tolist()
+    last = len(cum)
+    return lambda key, found: cum[min(key, last) - 1][found - 1] if key > 0 and found > 0 else 0.0

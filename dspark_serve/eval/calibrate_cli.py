@@ -8,9 +8,11 @@ the per-position temperatures and writes ``sts_calibration.json`` beside the dra
 engine loads it automatically) plus a reliability diagram PNG (raw vs STS).
 
 Prompt lookup: the target answers ShareGPT prompts greedily (from the end of the set, which
-``gen-data`` splits never reach), lookup rounds are replayed on those outputs
-(``eval.lookup_rounds``: exact at temperature 0) and the table is written to the target's
-shipped ``ngram/lookup_calibration.json`` (or ``--out``).
+``gen-data`` splits and ``dspark-serve corpus`` never reach), lookup rounds are replayed on
+those outputs (``eval.lookup_rounds``: exact at temperature 0) and the table is written to the
+target's shipped ``ngram/lookup_calibration.json`` (or ``--out``). Corpus lookup
+(``--kind corpus``): the same with corpus rounds, the table keyed by support key, written
+into the corpus folder (or ``--out``).
 """
 from __future__ import annotations
 
@@ -21,8 +23,11 @@ from pathlib import Path
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="fit STS calibration on held-out prompts",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--kind", choices=("dspark", "ngram"), default="dspark",
-                   help="what to calibrate: the drafter's STS or prompt lookup")
+    p.add_argument("--kind", choices=("dspark", "ngram", "corpus"), default="dspark",
+                   help="what to calibrate: the drafter's STS, prompt lookup or corpus lookup")
+    p.add_argument("--corpus", default=None,
+                   help="corpus folder (corpus; default: the target's shipped corpus); the "
+                        "table is written into it unless --out")
     p.add_argument("--draft", default=None, help="trained DSpark drafter folder (dspark)")
     p.add_argument("--data", default=None, help="gen-data folder (its held-out prompts; dspark)")
     p.add_argument("--model", default=None,
@@ -62,7 +67,7 @@ def heldout_prompts(data: str, limit: int | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.kind == "ngram":
+    if args.kind in ("ngram", "corpus"):
         return run_lookup(args)
     if not args.draft or not args.data:
         raise SystemExit("dspark-serve calibrate: --draft and --data are required for dspark")
@@ -111,40 +116,54 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_lookup(args: argparse.Namespace) -> int:
-    """``--kind ngram``: fit and write the prompt-lookup survival table."""
+    """``--kind ngram`` / ``--kind corpus``: fit and write the prompt-lookup or corpus-lookup
+    survival table."""
     import numpy as np
 
+    from dspark_serve.assets.default_drafter import LOOKUP_GAMMA, SHIPPED_DIR, shipped_corpus
     from dspark_serve.calibration.lookup import FILE_NAME, fit_lookup_calibration
     from dspark_serve.data.prompt_sets import load_prompts
+    from dspark_serve.drafter.corpus_lookup import FILE_NAME as CORPUS_FILE
+    from dspark_serve.drafter.corpus_lookup import CorpusIndex, load_corpus, num_keys
     from dspark_serve.engine.config import EngineConfig
     from dspark_serve.engine.llm_engine import LLMEngine
     from dspark_serve.engine.params import SamplingParams
     from dspark_serve.eval.engine_runs import run_prompts
     from dspark_serve.eval.loading import chat_prompts
-    from dspark_serve.eval.lookup_rounds import greedy_lookup_rounds
-    from dspark_serve.assets.default_drafter import LOOKUP_GAMMA, SHIPPED_DIR
+    from dspark_serve.eval.lookup_rounds import greedy_corpus_rounds, greedy_lookup_rounds
 
     engine = LLMEngine(EngineConfig(model=args.model, speculative="none", dtype=args.dtype,
                                     max_num_seqs=args.batch_size, seed=args.seed))
+    if args.kind == "corpus":
+        folder = Path(args.corpus) if args.corpus else shipped_corpus(engine.model_name)
+        if folder is None:
+            raise SystemExit(f"no corpus shipped for {engine.model_name}: pass --corpus")
+        corpus = CorpusIndex(load_corpus(folder / CORPUS_FILE)[0])
+        replay = lambda p, o: greedy_corpus_rounds(p, o, LOOKUP_GAMMA, corpus)
+        max_key, out = num_keys(corpus.max_ngram), Path(args.out or folder / FILE_NAME)
+    else:
+        replay = lambda p, o: greedy_lookup_rounds(p, o, LOOKUP_GAMMA)
+        max_key = 8
+        out = Path(args.out or SHIPPED_DIR / engine.model_name / "ngram" / FILE_NAME)
     texts = load_prompts("sharegpt")[-args.num_prompts:]
     prompts = [p for p in chat_prompts(engine.tokenizer, texts)
                if len(p) + args.max_new_tokens < engine.max_model_len]
     outputs = run_prompts(engine, prompts, SamplingParams(temperature=0.0,
                                                           max_tokens=args.max_new_tokens))
-    rounds = [greedy_lookup_rounds(p, o.token_ids, LOOKUP_GAMMA) for p, o in zip(prompts, outputs)]
+    rounds = [replay(p, o.token_ids) for p, o in zip(prompts, outputs)]
     m, d, a = (np.concatenate([np.asarray(r[i], dtype=np.int64) for r in rounds])
                for i in range(3))
     hit = m > 0
-    cal = fit_lookup_calibration(m[hit], d[hit], a[hit], LOOKUP_GAMMA, max_match=8,
+    cal = fit_lookup_calibration(m[hit], d[hit], a[hit], LOOKUP_GAMMA, max_match=max_key,
                                  dataset=f"sharegpt last {len(prompts)} prompts, greedy, "
                                          f"{args.max_new_tokens} tokens")
-    out = Path(args.out or SHIPPED_DIR / engine.model_name / "ngram" / FILE_NAME)
     out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(out)
-    print(f"rounds {m.size} ({int(hit.sum())} with a match), tau {(a.sum() + m.size) / m.size:.3f}, "
-          f"position-1 acceptance {float((a[hit] > 0).mean()):.3f} where matched")
-    for length, row in enumerate(cal.conditional, 1):
-        print(f"match {length}{'+' if length == len(cal.conditional) else ' '}: "
+    print(f"rounds {m.size} ({int(hit.sum())} with a draft), tau {(a.sum() + m.size) / m.size:.3f}, "
+          f"position-1 acceptance {float((a[hit] > 0).mean()):.3f} where drafted")
+    for key, row in enumerate(cal.conditional, 1):
+        print(f"{'key' if args.kind == 'corpus' else 'match'} {key}"
+              f"{'+' if key == len(cal.conditional) and args.kind != 'corpus' else ' '}: "
               + " ".join(f"{c:.2f}" for c in row))
     print(f"wrote {out}")
     return 0

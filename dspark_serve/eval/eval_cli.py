@@ -32,6 +32,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--engine", action="store_true",
                    help="evaluate dspark / dflash through the engine too (comparable with "
                         "ngram / hybrid; no calibration metrics)")
+    p.add_argument("--corpus", default=None,
+                   help="hybrid: corpus-lookup folder or 'shipped' (as serve --corpus; "
+                        "default: off)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) or e.g. 1")
     p.add_argument("--gamma", type=int, default=None, help="block size (default: the drafter's)")
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS),
@@ -159,7 +162,8 @@ def evaluate_engine(args: argparse.Namespace, names: list[str]) -> dict:
     engine = LLMEngine(EngineConfig(model=args.model, draft=args.draft, speculative=args.kind,
                                     scheduler="static", gamma=args.gamma, dtype=args.dtype,
                                     max_num_seqs=args.batch_size, seed=args.seed,
-                                    draft_vocab_size=args.draft_vocab_size))
+                                    draft_vocab_size=args.draft_vocab_size,
+                                    corpus=args.corpus))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     report = {"temperature": args.temperature, "draft": args.draft, "gamma": engine.gamma,
               "benchmarks": {}}

@@ -1,5 +1,5 @@
-"""Prompt-lookup rounds replayed on the target's greedy outputs: the data of the lookup
-survival table (``calibration.lookup``) and of lookup's offline acceptance.
+"""Prompt-lookup and corpus-lookup rounds replayed on the target's greedy outputs: the data
+of their survival tables (``calibration.lookup``) and of their offline acceptance.
 
 At temperature 0 a draft token is accepted exactly when it equals the target's greedy token,
 so rounds can be replayed on a plain greedy output without running the target again: from
@@ -8,8 +8,11 @@ next target token (p -> p + n + 1), as the engine's rounds with full verificatio
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
+from dspark_serve.drafter.corpus_lookup import CorpusIndex
 from dspark_serve.drafter.prompt_lookup import DEFAULT_MAX_NGRAM, prompt_lookup
 
 
@@ -25,14 +28,35 @@ def greedy_lookup_rounds(prompt: list[int], output: list[int], gamma: int,
         (match_len, num_drafted, num_accepted) per round, rounds without a match included
         with match length 0 and 0 drafts.
     """
+    def draft(text: np.ndarray, n: int) -> tuple[list[int], int]:
+        found = prompt_lookup(text, n, max_ngram)
+        return found.tokens, found.match_len
+    return _greedy_rounds(prompt, output, gamma, draft)
+
+
+def greedy_corpus_rounds(prompt: list[int], output: list[int], gamma: int, corpus: CorpusIndex
+                         ) -> tuple[list[int], list[int], list[int]]:
+    """Rounds of corpus-lookup drafting (``drafter.corpus_lookup``) over one greedy output, as
+    ``greedy_lookup_rounds``; the first list holds each round's support key (0: no draft)."""
+    def draft(text: np.ndarray, n: int) -> tuple[list[int], int]:
+        found = corpus.draft(text.tolist(), n)
+        return found.tokens, found.key
+    return _greedy_rounds(prompt, output, gamma, draft)
+
+
+def _greedy_rounds(prompt: list[int], output: list[int], gamma: int,
+                   draft: Callable[[np.ndarray, int], tuple[list[int], int]]
+                   ) -> tuple[list[int], list[int], list[int]]:
+    """(key, num_drafted, num_accepted) per round of ``draft(text so far, most tokens) ->
+    (tokens, key)`` walked over a greedy output (module docstring)."""
     text = np.asarray(prompt + output, dtype=np.int64)
     p, end = len(prompt), len(prompt) + len(output)
     m, d, a = [], [], []
     while p < end - 1:
-        draft = prompt_lookup(text[:p + 1], min(gamma, end - 1 - p), max_ngram)
+        tokens, key = draft(text[:p + 1], min(gamma, end - 1 - p))
         n = 0
-        while n < len(draft.tokens) and draft.tokens[n] == text[p + 1 + n]:
+        while n < len(tokens) and tokens[n] == text[p + 1 + n]:
             n += 1
-        m.append(draft.match_len), d.append(len(draft.tokens)), a.append(n)
+        m.append(key), d.append(len(tokens)), a.append(n)
         p += n + 1
     return m, d, a

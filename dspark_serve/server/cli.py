@@ -42,6 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calibration", help="STS calibration JSON; default: the drafter's")
     p.add_argument("--lookup-calibration",
                    help="prompt-lookup survival JSON (ngram, hybrid); default: the target's")
+    p.add_argument("--corpus",
+                   help="hybrid: corpus lookup beside prompt lookup, from a `dspark-serve corpus` "
+                        "folder or 'shipped' (the target's); default: off")
     p.add_argument("--lookup-min-match", type=int, default=_DEFAULTS["lookup_min_match"],
                    help="hybrid: shortest suffix match prompt lookup drafts with "
                         "(default: %(default)s)")
@@ -100,7 +103,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         quantization=args.quantization, always_draft=args.always_draft,
         threshold=args.threshold, lookup_calibration=args.lookup_calibration,
-        lookup_min_match=args.lookup_min_match, draft_vocab_size=args.draft_vocab_size,
+        lookup_min_match=args.lookup_min_match, corpus=args.corpus,
+        draft_vocab_size=args.draft_vocab_size,
         mask_drafts=args.mask_drafts)
 
 

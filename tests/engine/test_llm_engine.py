@@ -88,6 +88,25 @@ def test_greedy_prompt_lookup_modes_equal_plain(mode, engine_for, generate, mtbe
     assert sum(s.accepted_tokens for s in steps) > 0
 
 
+def test_greedy_hybrid_with_corpus_lookup_equals_plain(make_engine, generate, mtbench_prompts,
+                                                      greedy_reference):
+    """Hybrid with the shipped corpus beside prompt lookup (static: every draft verified):
+    greedy output unchanged, corpus drafts verified and some of them accepted."""
+    engine = make_engine(speculative="hybrid", scheduler="static", corpus="shipped",
+                         max_num_seqs=MAX_NUM_SEQS, max_model_len=512)
+    corpus = engine.speculator.corpus_survival
+    out = generate(engine, mtbench_prompts, SamplingParams(temperature=0.0, max_tokens=REF_TOKENS))
+    for rid, ref in greedy_reference.items():
+        assert out[rid].token_ids == ref.token_ids, rid
+    assert corpus.reached[:, 0].sum() > 0 and corpus.accepted[:, 0].sum() > 0
+
+
+def test_a_corpus_that_is_not_there_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="has no corpus.npz"):
+        LLMEngine(EngineConfig(speculative="hybrid", corpus=str(tmp_path), max_num_seqs=1,
+                               max_model_len=64, cost_table=None, scheduler="static"))
+
+
 def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
                                         greedy_reference, monkeypatch):
     """Drafting that costs more than it can gain (10 s per draft against COST_TABLE's

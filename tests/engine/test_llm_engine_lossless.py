@@ -18,11 +18,15 @@ distribution; pooled over 8 seeds, 4,800 samples, hybrid-async fits it at p = 0.
 """
 from __future__ import annotations
 
+from dataclasses import astuple
+
 import numpy as np
 import pytest
 import torch
 
+import dspark_serve.engine.speculator as speculator_module
 import dspark_serve.verify.target_sampler as target_sampler
+from dspark_serve.drafter.corpus_lookup import CorpusDraft, CorpusIndex
 from dspark_serve.drafter.prompt_lookup import LookupDraft, LookupIndex
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
@@ -204,4 +208,32 @@ def test_prompt_lookup_and_hybrid_sampling_match_exact(mode, every, scheduler, m
                                                seed=7))
     samples, tau = draw(engine, generate, prompt_ids, NUM_SAMPLES)
     assert 1.1 < tau < 2.9, tau
+    assert goodness_of_fit(samples, exact, bins) > P_MIN
+
+
+def test_corpus_lookup_sampling_matches_exact(make_engine, generate, prompt_ids, conditionals,
+                                              exact, bins, distribution_oracle, use_oracle,
+                                              monkeypatch):
+    """Hybrid with corpus lookup (the shipped corpus): corpus drafts (one-hot, the target's
+    top-1 chain after outputs of even length) next to the oracle drafter's rows in one async
+    batch; prompt lookup finds nothing, and a corpus draft always beats the drafter (its mean
+    survival pinned at 0)."""
+    engine = make_engine(speculative="hybrid", scheduler="async", gamma=2, always_draft=True,
+                         corpus="shipped", **SIZES)
+    assert engine.speculator.lookup.corpus.num_tokens > 100_000
+    lookup = greedy_lookup(conditionals, len(prompt_ids), 2)
+    monkeypatch.setattr(CorpusIndex, "draft",
+                        lambda index, text, n: CorpusDraft(*astuple(lookup(index, text, n))))
+    monkeypatch.setattr(LookupIndex, "draft", lambda index, text, n: LookupDraft([], 0))
+    monkeypatch.setattr(speculator_module, "DRAFTER_SURVIVAL_EMA", 0.0)
+    monkeypatch.setattr(engine.speculator, "_drafter_survival", 0.0)
+    use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
+                                                                      engine.vocab_size), seed=8))
+    corpus_rows = []
+    observe = engine.speculator.corpus_survival.observe
+    monkeypatch.setattr(engine.speculator.corpus_survival, "observe",
+                        lambda keys, *a: corpus_rows.append(len(keys)) or observe(keys, *a))
+    samples, tau = draw(engine, generate, prompt_ids, NUM_SAMPLES)
+    assert 1.1 < tau < 2.9, tau
+    assert sum(corpus_rows) > NUM_SAMPLES // 4       # corpus rows were verified (251)
     assert goodness_of_fit(samples, exact, bins) > P_MIN

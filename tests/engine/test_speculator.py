@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dspark_serve.calibration.lookup import LookupCalibration
+from dspark_serve.drafter.corpus_lookup import CorpusIndex, num_keys, support_key
 from dspark_serve.engine.speculator import LookupConfig, Speculator
 from dspark_serve.types import SamplingTensors
 from tests.drafter.conftest import tiny_config, tiny_drafter
@@ -224,3 +225,65 @@ def test_served_step_time_reaches_the_scheduler_without_drafting():
     spec.observe_step(3, 1.0)                         # a plain step: nothing drafted
     spec.observe_step(None, 1.0)                      # prefill tokens shared the step
     assert spec.scheduler.seen == [(9, pytest.approx(1.0 - drafted)), (3, 1.0)]
+
+
+# ---- corpus lookup beside prompt lookup (hybrid) ----
+# Corpus contexts for TEXTS: row 0 ([.., 1, 2]) none; row 1 ([.., 7]) drafts 20 21 22 from a
+# context seen once (key 2); row 2 ([.., 3, 8]) drafts 30 31 after a context always followed by
+# 30 (n = 2, key 8).
+CORPUS = CorpusIndex([[7, 20, 21, 22]] + [[3, 8, 30, 31]] * 3)
+
+
+def corpus_speculator(drafter=None, key2=0.3, key8=0.9, scheduler="threshold"):
+    table = [[0.5] * 3 for _ in range(num_keys(CORPUS.max_ngram))]
+    table[1], table[7] = [key2] * 3, [key8] * 3
+    return Speculator(drafter, lookup=LookupConfig(min_match=2, calibration=CAL, corpus=CORPUS,
+                                                   corpus_calibration=LookupCalibration(table)),
+                      vocab_size=V, gamma=3, scheduler=scheduler, cost_table=None,
+                      temperatures=None, threshold=0.6, max_batch_tokens=None, num_slots=4,
+                      max_len=32)
+
+
+def test_a_row_takes_the_draft_expected_to_survive_longer():
+    """Row 0: lookup (match 2: 0.9 + 0.72 + 0.5 expected) and no corpus draft; row 1: only
+    the corpus's (0.3 each: below the threshold); row 2: the corpus's 30 31 (0.9 + 0.81 over
+    its 2 drafts) beats lookup's one-token match (0.5 + 0.25 + 0.125)."""
+    spec = corpus_speculator()
+    found = spec.lookup_drafts([0, 1, 2], TEXTS)
+    assert found.from_corpus == [False, True, True] and found.found == [3, 3, 2]
+    assert found.match_len == [2, support_key(1, 1, 1, 6), support_key(2, 3, 3, 6)] == [2, 2, 8]
+    block, lengths = propose(spec)
+    assert block.tokens.tolist() == [[3, 9, 1], [20, 21, 22], [30, 31, 0]]
+    assert lengths.tolist() == [3, 0, 2]
+    weak = corpus_speculator(key8=0.2).lookup_drafts([0, 1, 2], TEXTS)
+    assert weak.from_corpus[2] is False and weak.tokens[2] == [3, 8, 3]
+
+
+def test_corpus_outcomes_update_the_corpus_survival_only():
+    spec = corpus_speculator()
+    _, lengths = propose(spec)
+    spec.observe(lengths, [3, 0, 1])
+    assert spec.lookup_survival.reached[1].tolist() == [1, 1, 1]       # row 0: match 2
+    assert spec.corpus_survival.reached[7].tolist() == [1, 1, 0]       # row 2: key 8, 2 drafts
+    assert spec.corpus_survival.accepted[7].tolist() == [1, 0, 0]
+    assert spec.lookup_survival.reached.sum() == 3 and spec.corpus_survival.reached.sum() == 2
+
+
+def test_hybrid_gives_a_corpus_row_to_the_drafter_until_it_is_known_to_survive_less(
+        monkeypatch):
+    """First draft: rows 1 and 2 (corpus candidates) are the drafter's, whose survival is not
+    known yet; then row 2's corpus draft (survival 1.0) beats the drafter's mean, row 1's
+    (0.0) does not."""
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    spec = corpus_speculator(drafter, key2=0.0, key8=1.0, scheduler="static")
+    spec.extend(torch.tensor([0] * 5 + [1] * 3 + [2] * 2),
+                torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 0, 1]),
+                torch.randn(10, drafter.config.context_dim))
+    seen = []
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda cache, slots, *a: seen.append(slots.tolist())
+                        or draft(cache, slots, *a))
+    propose(spec, uniforms_cols=drafter.gamma)
+    assert seen == [[1, 2]] and 0 < spec._drafter_survival < 1
+    block, _ = propose(spec, uniforms_cols=drafter.gamma)
+    assert seen == [[1, 2], [1]] and block.tokens[2].tolist() == [30, 31, 0]

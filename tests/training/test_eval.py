@@ -182,8 +182,10 @@ def test_offline_pair_drafts_over_the_served_vocabulary():
 @pytest.mark.slow
 def test_lookup_calibrate_and_engine_eval_commands(tmp_path, capsys):
     """``calibrate --kind ngram`` writes a [8 match lengths, gamma 7] survival table fitted on
-    greedy ShareGPT outputs; ``eval --kind ngram`` reports tau and acceptance per position."""
+    greedy ShareGPT outputs (``--kind corpus``: [24 support keys, gamma 7]); ``eval --kind
+    ngram`` reports tau and acceptance per position."""
     from dspark_serve.calibration.lookup import LookupCalibration
+    from dspark_serve.drafter.corpus_lookup import DEFAULT_MAX_NGRAM, num_keys
 
     out = tmp_path / "lookup.json"
     args = types.SimpleNamespace(kind="ngram", model=None, num_prompts=2, max_new_tokens=48,
@@ -191,11 +193,18 @@ def test_lookup_calibrate_and_engine_eval_commands(tmp_path, capsys):
     assert calibrate_cli.run(args) == 0
     cal = LookupCalibration.load(out)
     assert len(cal.conditional) == 8 and cal.gamma == 7 and cal.num_rounds > 0
+    corpus_out = tmp_path / "corpus.json"    # the shipped corpus's table, by support key
+    assert calibrate_cli.run(types.SimpleNamespace(**{**vars(args), "kind": "corpus",
+                                                      "corpus": None,
+                                                      "out": str(corpus_out)})) == 0
+    corpus_cal = LookupCalibration.load(corpus_out)
+    assert len(corpus_cal.conditional) == num_keys(DEFAULT_MAX_NGRAM) == 24
+    assert corpus_cal.gamma == 7 and corpus_cal.num_rounds > 0
     args = types.SimpleNamespace(model=None, draft=None, kind="ngram", engine=False,
                                  temperature=0.0, gamma=None, benchmarks="mtbench", limit=2,
                                  max_new_tokens=24, batch_size=2, calibration=None,
                                  dtype="bfloat16", seed=0, json=True, plots=None,
-                                 draft_vocab_size=None)
+                                 draft_vocab_size=None, corpus=None)
     capsys.readouterr()
     assert eval_cli.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
