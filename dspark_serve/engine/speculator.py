@@ -290,6 +290,8 @@ class Speculator:
             survival = self._lookup_confidence(match_len, from_corpus, g)
             if self.drafter is None:
                 by_drafter &= match_len < 1
+            elif self.corpus_survival is None:
+                by_drafter &= match_len < self.lookup.min_match
             else:
                 # lookup keeps its matches of min_match tokens or more; the corpus keeps a row
                 # only once the drafter's own survival is known and lower
@@ -354,10 +356,11 @@ class Speculator:
             temps = (self.temperatures if self.temperatures is not None
                      else torch.ones(g, device=device))
             confidence[rows] = calibrated_confidence(block.conf_logits[rows], temps)
-            mean = float(confidence[rows, 0].mean())
-            old = self._drafter_survival
-            self._drafter_survival = mean if old is None else \
-                old + DRAFTER_SURVIVAL_EMA * (mean - old)
+            if self.corpus_survival is not None:    # what a corpus row must beat
+                mean = float(confidence[rows, 0].mean())
+                old = self._drafter_survival
+                self._drafter_survival = mean if old is None else \
+                    old + DRAFTER_SURVIVAL_EMA * (mean - old)
         elif self.drafter is not None and rows.numel():
             confidence[rows] = 1.0      # DFlash: no confidence head
         confidence = confidence * self._allowed(caps)
