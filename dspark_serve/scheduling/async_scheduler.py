@@ -55,10 +55,15 @@ proposing step's outcome (``observe_proposal``); its net gain is the seconds it 
 step prices (accepted drafts at a plain step's price per token, less the verify batch's extra
 price) less the seconds proposing took. ``proposing_pays`` keeps proposing while the average
 net gain at this R loses at most ``PROPOSAL_MARGIN`` of a plain step, else makes steps plain
-decoding, proposing every ``PROPOSAL_PROBE_INTERVAL``-th step (a probe, weighing in the average
-as the steps it stands for). The margin and the average's memory keep prompt lookup at one
-user, whose gains come in bursts and whose steps without a match cost ~0.05 ms of ~8: a gate
-on short windows closed between bursts. Lossless: finished steps only.
+decoding, proposing after ``PROPOSAL_PROBE_INTERVAL`` of them (a probe, weighing in the average
+as the steps it stands for), then after twice as many each time proposing still does not pay
+(up to ``MAX_PROPOSAL_PROBE_INTERVAL``: a 16-user probe cost ~24 ms beside a ~31 ms plain step,
+and probes every 16 steps ~1 % of such serving). The average's memory counts requests'
+rounds, not steps: a step of R requests weighs as R rounds, so 16 users decide after ~13
+steps, as one user does after 200 (with a memory in steps, 16-user serving kept proposing at
+a loss for 200 steps, most of a benchmark cell). The margin and the memory keep prompt lookup
+at one user, whose gains come in bursts and whose steps without a match cost ~0.05 ms of ~8:
+a gate on short windows closed between bursts. Lossless: finished steps only.
 
 Beyond the paper: served step times. The engine reports each decode step's wall time outside
 drafting (``observe_step``), and SPS(B) is the profile corrected by them
@@ -83,13 +88,14 @@ PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 256
 # Weight of the newest measurement in the drafting-time average.
 DRAFT_TIME_EMA = 0.25
-# Weight of the newest proposing step in the average net gain of proposing (~200 steps of
-# memory; the plain mean until that many are recorded), the loss (a fraction of a plain
-# step's time) it may show before steps stop proposing, and the plain steps between
-# proposals then (probes).
+# Weight of one request's round in the average net gain of proposing (~200 rounds of memory:
+# 200 steps at one user, ~13 at 16; the plain mean until that many are recorded), the loss (a
+# fraction of a plain step's time) it may show before steps stop proposing, and the plain
+# steps between proposals then (probes; doubling up to the maximum while proposing loses).
 PROPOSAL_EMA = 0.005
 PROPOSAL_MARGIN = 0.01
 PROPOSAL_PROBE_INTERVAL = 16
+MAX_PROPOSAL_PROBE_INTERVAL = 64
 
 
 class AsyncScheduler:
@@ -129,9 +135,10 @@ class AsyncScheduler:
         self._pays: dict[tuple[int, int], bool] = {}
         self._pays_versions: tuple[int, int] | None = None
         self._verify_pays: tuple[tuple, bool] | None = None   # verifying_pays' last answer
-        # R -> (moving average of the net gain, count) of the steps that proposed
+        # R -> (moving average of the net gain, rounds recorded) of the steps that proposed
         self._proposals: dict[int, tuple[float, int]] = {}
         self._plain_steps = 0     # steps since the last proposal that proposing_pays refused
+        self._proposal_probe_interval = PROPOSAL_PROBE_INTERVAL
         self._represents = 1      # steps the next observed proposal stands for (a probe: more)
 
     def reset(self) -> None:
@@ -144,6 +151,7 @@ class AsyncScheduler:
         self._probe_interval = PROBE_INTERVAL
         self._proposals.clear()
         self._plain_steps, self._represents = 0, 1
+        self._proposal_probe_interval = PROPOSAL_PROBE_INTERVAL
         self._version += 1
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
@@ -164,8 +172,10 @@ class AsyncScheduler:
         verified, ``accepted`` of them accepted, ``seconds`` spent proposing (prompt lookup,
         drafting, scheduling). Its net gain, a fraction of a plain step: (accepted * price(R)
         / R - (price(R + verified) - price(R)) - seconds) / price(R), price(B) = 1 / SPS(B)
-        as served (module docstring); a probe weighs as the steps it stands for. Steps with
-        a verify batch beyond the cost table are ignored."""
+        as served (module docstring). It weighs as R rounds, a probe as R rounds for each
+        step it stands for, each round as one step of the plain mean (until 1 /
+        PROPOSAL_EMA rounds), then of the moving average. Steps with a verify batch beyond
+        the cost table are ignored."""
         if num_requests <= 0:
             return
         sps = self.step_cost.sps_range(num_requests, num_requests + verified + 1)
@@ -173,30 +183,33 @@ class AsyncScheduler:
         if not (plain > 0 and verify > 0):
             return
         net = accepted / num_requests - plain / verify + 1.0 - seconds * plain
-        old, count = self._proposals.get(num_requests, (net, 0))
-        # the plain mean over the first 1 / PROPOSAL_EMA steps: as an EMA from the first
+        old, seen = self._proposals.get(num_requests, (net, 0))
+        rounds = num_requests * self._represents
+        self._represents = 1
+        # the plain mean over the first 1 / PROPOSAL_EMA rounds: as an EMA from the first
         # value, one slow early step (a first draft: ~30 ms at one user) kept 37 % of its
         # weight after 200 steps and closed the gate at one user for hundreds of steps
-        weight = min(1.0, max(PROPOSAL_EMA, 1 / (count + 1)) * self._represents)
-        self._represents = 1
-        self._proposals[num_requests] = (old + weight * (net - old), count + 1)
+        weight = max(1 - (1 - PROPOSAL_EMA) ** rounds, rounds / (seen + rounds))
+        self._proposals[num_requests] = (old + weight * (net - old), seen + rounds)
 
     def proposing_pays(self, num_requests: int) -> bool:
         """Whether step t proposes for its R decoding requests: yes until some R has 1 /
-        PROPOSAL_EMA proposing steps recorded (the average's memory), then while the average
-        net gain at the nearest such R stays above -PROPOSAL_MARGIN of a plain step;
-        otherwise every ``PROPOSAL_PROBE_INTERVAL``-th step (a probe), the others plain
-        decoding."""
-        known = [r for r, (_, count) in self._proposals.items() if count >= 1 / PROPOSAL_EMA]
+        PROPOSAL_EMA rounds recorded (the average's memory), then while the average net gain
+        at the nearest such R stays above -PROPOSAL_MARGIN of a plain step;
+        otherwise a probe after ``PROPOSAL_PROBE_INTERVAL`` plain decoding steps, then after
+        twice as many each time, up to ``MAX_PROPOSAL_PROBE_INTERVAL``."""
+        known = [r for r, (_, seen) in self._proposals.items() if seen >= 1 / PROPOSAL_EMA]
         if num_requests <= 0 or not known:
             return True
         net = self._proposals[min(known, key=lambda r: (abs(r - num_requests), r))][0]
         if net >= -PROPOSAL_MARGIN:
-            self._plain_steps = 0
+            self._plain_steps, self._proposal_probe_interval = 0, PROPOSAL_PROBE_INTERVAL
             return True
         self._plain_steps += 1
-        if self._plain_steps >= PROPOSAL_PROBE_INTERVAL:
+        if self._plain_steps >= self._proposal_probe_interval:
             self._represents, self._plain_steps = self._plain_steps, 0
+            self._proposal_probe_interval = min(2 * self._proposal_probe_interval,
+                                                MAX_PROPOSAL_PROBE_INTERVAL)
             return True
         return False
 

@@ -1,11 +1,14 @@
 """Asynchronous scheduler (paper Section 5.2): capacity K from the survival two steps back by
 global search (crossing SPS cliffs), top-K admission of the current step, history rules."""
+import math
+
 import pytest
 import torch
 
 from dspark_serve.scheduling import AsyncScheduler, CostTable, make_scheduler
 from dspark_serve.scheduling.admission import survival
-from dspark_serve.scheduling.async_scheduler import (MAX_PROBE_INTERVAL, PROBE_INTERVAL,
+from dspark_serve.scheduling.async_scheduler import (MAX_PROBE_INTERVAL,
+                                                    MAX_PROPOSAL_PROBE_INTERVAL, PROBE_INTERVAL,
                                                     PROPOSAL_EMA, PROPOSAL_MARGIN,
                                                     PROPOSAL_PROBE_INTERVAL)
 
@@ -264,30 +267,44 @@ def test_one_slow_early_proposal_does_not_close_the_gate():
 
 def test_proposing_stops_where_it_loses_and_probes():
     """Step time 8 + B / 2 seconds: a proposing step at R = 16 nets (accepted - verified / 2
-    - seconds spent) / 16 of a plain step. Proposing goes on until 1 / PROPOSAL_EMA steps are
-    averaged, stops while the average loses more than PROPOSAL_MARGIN (one probe per
-    PROPOSAL_PROBE_INTERVAL steps), and a probe that gains reopens it, weighing as the
-    steps it stood for."""
+    - seconds spent) / 16 of a plain step and weighs as 16 rounds. Proposing goes on until 1 /
+    PROPOSAL_EMA rounds are averaged (13 steps of 16 users), stops while the average loses
+    more than PROPOSAL_MARGIN (one probe per PROPOSAL_PROBE_INTERVAL steps), and a probe
+    weighs as the rounds of the steps it stood for: one that loses keeps it closed, one that
+    gains reopens it."""
     table = CostTable(tuple(range(1, 65)), tuple(1 / (8 + b / 2) for b in range(1, 65)), 64)
     sched = make_scheduler("async", gamma=7, cost_table=table)
     assert sched.proposing_pays(16)
-    memory = round(1 / PROPOSAL_EMA)
-    for _ in range(memory - 1):
+    steps = math.ceil(1 / PROPOSAL_EMA / 16)
+    for _ in range(steps - 1):
         sched.observe_proposal(16, verified=0, accepted=0, seconds=0.32)   # net -0.02
         assert sched.proposing_pays(16)
     sched.observe_proposal(16, verified=0, accepted=0, seconds=0.32)
-    assert sched._proposals[16][0] == pytest.approx(-0.02)
-    pattern = [False] * (PROPOSAL_PROBE_INTERVAL - 1) + [True]
-    assert [sched.proposing_pays(16) for _ in pattern] == pattern
-    assert [sched.proposing_pays(15) for _ in pattern] == pattern   # the nearest R decides
+    assert sched._proposals[16] == (pytest.approx(-0.02), 16 * steps)
+    probe_after = lambda steps: [False] * (steps - 1) + [True]
+    assert [sched.proposing_pays(16) for _ in range(16)] == probe_after(PROPOSAL_PROBE_INTERVAL)
+    # no gain recorded since: the next probe comes after twice as many plain steps
+    assert [sched.proposing_pays(15) for _ in range(2 * PROPOSAL_PROBE_INTERVAL)] == \
+        probe_after(2 * PROPOSAL_PROBE_INTERVAL)                       # the nearest R decides
     assert sched.proposing_pays(1) is False        # no R nearer than 16 has an average yet
-    # the probe (asked at R = 15 above) nets 0, at weight 16 * PROPOSAL_EMA: still closed
-    sched.observe_proposal(16, verified=0, accepted=0, seconds=0.0)
-    assert sched._proposals[16][0] == pytest.approx(-0.02 * (1 - 16 * PROPOSAL_EMA))
-    # the R = 1 step was the first plain step since that probe
-    assert [sched.proposing_pays(16) for _ in pattern[1:]] == pattern[1:]
-    # a probe with 7 of 7 accepted nets (7 - 3.5) / 16 and reopens it
+    # the probe (asked at R = 15 above) nets -0.05 and weighs as 32 steps of 16 rounds
+    sched.observe_proposal(16, verified=0, accepted=0, seconds=0.8)
+    weight = 1 - (1 - PROPOSAL_EMA) ** (16 * 2 * PROPOSAL_PROBE_INTERVAL)
+    assert sched._proposals[16][0] == pytest.approx(-0.02 - 0.03 * weight)
+    # the R = 1 step was the first plain step since that probe; the interval doubles up to
+    # MAX_PROPOSAL_PROBE_INTERVAL
+    interval = 4 * PROPOSAL_PROBE_INTERVAL
+    assert [sched.proposing_pays(16) for _ in range(interval - 1)] == probe_after(interval)[1:]
+    for _ in range(2):
+        sched.observe_proposal(16, verified=0, accepted=0, seconds=0.8)
+        interval = min(2 * interval, MAX_PROPOSAL_PROBE_INTERVAL)
+        assert [sched.proposing_pays(16) for _ in range(interval)] == probe_after(interval)
+    # a probe with 7 of 7 accepted nets (7 - 3.5) / 16 and reopens it; once proposing stops
+    # paying again, the first probe comes after PROPOSAL_PROBE_INTERVAL steps again
     sched.observe_proposal(16, verified=7, accepted=7, seconds=0.0)
     assert -PROPOSAL_MARGIN < sched._proposals[16][0] and sched.proposing_pays(16)
+    for _ in range(3):          # each nets -1 at weight 1 - (1 - PROPOSAL_EMA) ** 16
+        sched.observe_proposal(16, verified=0, accepted=0, seconds=16.0)
+    assert [sched.proposing_pays(16) for _ in range(16)] == probe_after(PROPOSAL_PROBE_INTERVAL)
     sched.reset()
     assert sched._proposals == {} and sched.proposing_pays(16)
