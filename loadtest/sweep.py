@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_serve.assets import default_model
+from dspark_serve.bench.compare import llama_unavailable
 from dspark_serve.loadtest.records import RequestRecord, read_records
 from dspark_serve.loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
 from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
@@ -154,12 +155,29 @@ def _server(opts: SweepOptions, config: str, log: Path) -> ManagedServer:
         return ManagedServer([*CONFIGS[config], *opts.server_args], log,
                              server_cmd=opts.server_cmd, startup_timeout_s=opts.startup_timeout_s)
 
+    # --interrupt_requests False: one request at a time, the others queued; by default a new
+    # request interrupts the one being generated (measured: 5 of ~45 tokens at two users)
     threads = str(max(1, (os.cpu_count() or 2) - 1))
     return ManagedServer(["--model", default_model.default_gguf_path(), "--model_alias", "default",
                           "--n_threads", threads, "--n_threads_batch", threads,
-                          "--n_ctx", "2048", *LLAMA_CONFIGS[config]], log,
+                          "--n_ctx", "2048", "--interrupt_requests", "False",
+                          *LLAMA_CONFIGS[config]], log,
                          server_cmd=LLAMA_SERVER_CMD, startup_timeout_s=opts.startup_timeout_s,
                          subcommand=None, health_path="/v1/models")
+
+
+def llama_server_unavailable() -> str | None:
+    """Why llama.cpp's OpenAI server cannot run here (None: it can): llama-cpp-python missing
+    or built with AMX (``bench.compare.llama_unavailable``), or installed without its server
+    extra, whose every start would fail."""
+    reason = llama_unavailable()
+    if reason is None:
+        try:
+            import llama_cpp.server.app  # noqa: F401
+        except ImportError as err:
+            reason = (f"llama-cpp-python's server cannot start ({err}): pip install "
+                      "'dspark-serve[bench]' (llama-cpp-python[server])")
+    return reason
 
 
 def write_results(out_dir: Path, rows: list[dict], records: list[dict], meta: dict) -> None:
@@ -178,14 +196,20 @@ def write_results(out_dir: Path, rows: list[dict], records: list[dict], meta: di
 
 def run_sweep(opts: SweepOptions) -> list[dict]:
     """Run every (config, concurrency) pair within the time budget; returns the summary rows
-    (also written to ``opts.out_dir``)."""
+    (also written to ``opts.out_dir``). A llama.cpp configuration whose server cannot start
+    here (``llama_server_unavailable``) is skipped up front, its rows "skipped_unavailable"."""
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "options": {k: str(v) if isinstance(v, Path) else v
                         for k, v in dataclasses.asdict(opts).items()}}
-    plan = [(c, u) for c in opts.configs for u in opts.concurrency]
     rows, all_records, overheads = [], [], []
+    missing = {c: llama_server_unavailable() for c in opts.configs if c in LLAMA_CONFIGS}
+    for config, reason in missing.items():
+        if reason:
+            print(f"{config}: skipped, {reason}", file=sys.stderr)
+            rows += [failed_row(config, u, "skipped_unavailable") for u in opts.concurrency]
+    plan = [(c, u) for c in opts.configs if not missing.get(c) for u in opts.concurrency]
     for i, (config, users) in enumerate(plan):
         left = opts.time_budget_s - PLOT_RESERVE_S - (time.monotonic() - start)
         overhead = max(overheads) if overheads else OVERHEAD_GUESS_S

@@ -55,6 +55,26 @@ def test_budget_skips_runs(tmp_path):
     assert [r["status"] for r in run_sweep(opts)] == ["skipped_budget"] * 4
 
 
+def test_llama_config_without_its_server_is_skipped_up_front(tmp_path, monkeypatch):
+    """Five failed server starts before: llama-cpp-python without its [server] extra."""
+    monkeypatch.setattr(sweep, "llama_server_unavailable", lambda: "no server extra")
+    opts = SweepOptions(out_dir=tmp_path, configs=["llama.cpp"], concurrency=[1, 2],
+                        server_cmd=[sys.executable, "-c", "raise SystemExit(3)"])
+    assert [(r["config"], r["concurrency"], r["status"]) for r in run_sweep(opts)] == \
+        [("llama.cpp", 1, "skipped_unavailable"), ("llama.cpp", 2, "skipped_unavailable")]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_llama_server_unavailable_names_the_missing_extra(monkeypatch):
+    monkeypatch.setattr(sweep, "llama_unavailable", lambda: None)
+    monkeypatch.setitem(sys.modules, "llama_cpp.server.app", None)   # import raises
+    reason = sweep.llama_server_unavailable()
+    assert reason.startswith("llama-cpp-python's server cannot start (")
+    assert reason.endswith("pip install 'dspark-serve[bench]' (llama-cpp-python[server])")
+    monkeypatch.setattr(sweep, "llama_unavailable", lambda: "not installed")
+    assert sweep.llama_server_unavailable() == "not installed"
+
+
 @pytest.mark.parametrize("kwargs", [{"configs": ["turbo"]}, {"concurrency": [0]},
                                     {"run_time_s": 1}, {"time_budget_s": 0}])
 def test_bad_options(tmp_path, kwargs):
