@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_serve.assets import default_model
-from dspark_serve.bench.compare import llama_unavailable
 from dspark_serve.loadtest.records import RequestRecord, read_records
 from dspark_serve.loadtest.server import DEFAULT_SERVER_CMD, ManagedServer, ServerError
 from dspark_serve.loadtest.summary import SUMMARY_FIELDS, failed_row, summarize
@@ -170,7 +169,9 @@ def llama_server_unavailable() -> str | None:
     """Why llama.cpp's OpenAI server cannot run here (None: it can): llama-cpp-python missing
     or built with AMX (``bench.compare.llama_unavailable``), or installed without its server
     extra, whose every start would fail."""
-    reason = llama_unavailable()
+    from dspark_serve.bench import compare   # here: it imports torch and the engine (~3 s)
+
+    reason = compare.llama_unavailable()
     if reason is None:
         try:
             import llama_cpp.server.app  # noqa: F401

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from dspark_serve.bench import compare
 from dspark_serve.loadtest import sweep
 from dspark_serve.loadtest.cli import main
 from dspark_serve.loadtest.summary import failed_row
@@ -66,12 +67,12 @@ def test_llama_config_without_its_server_is_skipped_up_front(tmp_path, monkeypat
 
 
 def test_llama_server_unavailable_names_the_missing_extra(monkeypatch):
-    monkeypatch.setattr(sweep, "llama_unavailable", lambda: None)
+    monkeypatch.setattr(compare, "llama_unavailable", lambda: None)
     monkeypatch.setitem(sys.modules, "llama_cpp.server.app", None)   # import raises
     reason = sweep.llama_server_unavailable()
     assert reason.startswith("llama-cpp-python's server cannot start (")
     assert reason.endswith("pip install 'dspark-serve[bench]' (llama-cpp-python[server])")
-    monkeypatch.setattr(sweep, "llama_unavailable", lambda: "not installed")
+    monkeypatch.setattr(compare, "llama_unavailable", lambda: "not installed")
     assert sweep.llama_server_unavailable() == "not installed"
 
 
