@@ -41,9 +41,12 @@ class GenDataConfig:
     max_new_tokens: int = 384
     max_num_seqs: int = 32
     dtype: str = "bfloat16"
+    quantization: str = "none"
     seed: int = 0
     subset: str = "train"
     limit: int | None = None
+    shard: int = 0
+    num_shards: int = 1
 
     def __post_init__(self) -> None:
         if self.subset not in ("train", "heldout"):
@@ -55,6 +58,8 @@ class GenDataConfig:
                              f"{self.num_prompts} / {self.heldout}")
         if not 0.0 <= self.greedy_fraction <= 1.0:
             raise ValueError(f"greedy_fraction must be in [0, 1], got {self.greedy_fraction}")
+        if not 0 <= self.shard < self.num_shards:
+            raise ValueError(f"need 0 <= shard < num_shards, got {self.shard} / {self.num_shards}")
 
 
 def split_prompts(prompts: list[str], num_prompts: int, heldout: int,
@@ -101,10 +106,12 @@ def prepare_split(cfg: GenDataConfig, prompts: list[str]) -> tuple[list[str], di
 
 
 def prompts_to_answer(cfg: GenDataConfig, manifest: dict, done: set[int]) -> list[int]:
-    """Indices still to answer: the first ``cfg.limit`` (all if None) of the split's
-    ``cfg.subset`` list, minus those in ``done``. Held-out answers are evaluation text (e.g.
-    greedy, for position-1 acceptance), never training data."""
-    return [i for i in manifest[cfg.subset][:cfg.limit] if i not in done]
+    """Indices still to answer: every ``cfg.num_shards``-th from the ``cfg.shard``-th of the
+    first ``cfg.limit`` (all if None) of the split's ``cfg.subset`` list, minus those in
+    ``done``. Held-out answers are evaluation text (e.g. greedy, for position-1 acceptance),
+    never training data."""
+    mine = manifest[cfg.subset][:cfg.limit][cfg.shard::cfg.num_shards]
+    return [i for i in mine if i not in done]
 
 
 def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: bool = True) -> int:
@@ -121,7 +128,7 @@ def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: 
     unique, manifest = prepare_split(cfg, load_prompts("sharegpt") if prompts is None else prompts)
     todo = prompts_to_answer(cfg, manifest, {int(r["index"]) for r in read_records(cfg.out)})
     engine = LLMEngine(EngineConfig(model=cfg.model, speculative="none", dtype=cfg.dtype,
-                                    max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+                                    quantization=cfg.quantization, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
                                     max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1))
     tok = engine.tokenizer
     queue, in_flight, outputs, written = iter(todo), {}, {}, 0

@@ -67,3 +67,15 @@ def test_heldout_subset_answers_only_heldout_prompts_up_to_the_limit():
         GenDataConfig(out="x", subset="test")
     with pytest.raises(ValueError, match="limit"):
         GenDataConfig(out="x", limit=0)
+
+
+def test_shards_split_the_prompts_between_processes_without_overlap():
+    from dspark_serve.training.gen_data import prompts_to_answer
+
+    manifest = {"train": [0, 2, 3, 5, 7, 8, 9], "heldout": [1, 4, 6]}
+    shards = [prompts_to_answer(GenDataConfig(out="x", num_prompts=10, heldout=3, limit=6,
+                                              shard=s, num_shards=2), manifest, {3})
+              for s in range(2)]
+    assert shards == [[0, 7], [2, 5, 8]]
+    with pytest.raises(ValueError, match="shard"):
+        GenDataConfig(out="x", shard=2, num_shards=2)
