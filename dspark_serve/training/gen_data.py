@@ -128,7 +128,8 @@ def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: 
     unique, manifest = prepare_split(cfg, load_prompts("sharegpt") if prompts is None else prompts)
     todo = prompts_to_answer(cfg, manifest, {int(r["index"]) for r in read_records(cfg.out)})
     engine = LLMEngine(EngineConfig(model=cfg.model, speculative="none", dtype=cfg.dtype,
-                                    quantization=cfg.quantization, max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+                                    quantization=cfg.quantization,
+                                    max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
                                     max_model_len=cfg.max_prompt_tokens + cfg.max_new_tokens + 1))
     tok = engine.tokenizer
     queue, in_flight, outputs, written = iter(todo), {}, {}, 0

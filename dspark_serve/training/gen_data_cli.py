@@ -18,7 +18,7 @@ _HELP = {
     "max_new_tokens": "response length cap",
     "max_num_seqs": "requests decoded together by the engine",
     "dtype": "target dtype",
-    "quantization": "target weights: as dtype, or int4 decoder layers (~2x faster, bfloat16 only)",
+    "quantization": "target weights: as dtype, or int4 decoder layers (the fast CPU path; bfloat16 only)",
     "seed": "split, greedy share and sampling seed",
     "subset": "which prompts of the split to answer: train, or heldout (evaluation text; use a "
               "separate --out folder and --greedy-fraction 1)",
