@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import fields
 
+from dspark_serve.engine.config import QUANTIZATIONS
 from dspark_serve.training.gen_data import GenDataConfig
 
 _HELP = {
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
             p.add_argument(flag, choices=("bfloat16", "float32"), default=f.default,
                            help=_HELP[f.name])
         elif f.name == "quantization":
-            p.add_argument(flag, choices=("none", "int4"), default=f.default, help=_HELP[f.name])
+            p.add_argument(flag, choices=QUANTIZATIONS, default=f.default, help=_HELP[f.name])
         elif f.name == "subset":
             p.add_argument(flag, choices=("train", "heldout"), default=f.default,
                            help=_HELP[f.name])
