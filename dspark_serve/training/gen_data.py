@@ -3,7 +3,9 @@
 
 Prompts are the first user turns of ShareGPT (``dspark_serve.data.prompt_sets``), deduplicated
 and split by prompt with a seeded permutation into train and held-out (calibration) sets; the
-evaluation sets (MT-Bench, HumanEval, AlpacaEval) are never used here. Each train prompt is
+evaluation sets (MT-Bench, HumanEval, AlpacaEval) are never used here. Once every train prompt
+is answered, the later user turns of the train prompts' conversations, asked standalone, are
+a second prompt source three times larger (subset ``followups``). Each train prompt is
 rendered with the target's chat template and answered by ``LLMEngine`` with plain decoding,
 at the model card's sampling (SmolLM2: temperature 0.2, top-p 0.9) or, for a seeded share of
 prompts, greedily (temperature 0). Results are appended to ``sequences.jsonl`` as they finish,
@@ -16,7 +18,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dspark_serve.data.prompt_sets import load_prompts
+from dspark_serve.data.prompt_sets import PromptRecord, load_prompts, load_records
 from dspark_serve.engine.config import EngineConfig
 from dspark_serve.engine.llm_engine import LLMEngine
 from dspark_serve.engine.params import SamplingParams
@@ -24,6 +26,7 @@ from dspark_serve.training.dataset import SPLIT_FILE, SEQUENCES_FILE, append_rec
 
 # SmolLM2-Instruct model card: generate(..., temperature=0.2, top_p=0.9, do_sample=True)
 CARD_TEMPERATURE, CARD_TOP_P = 0.2, 0.9
+SUBSETS = ("train", "heldout", "followups")
 
 
 @dataclass
@@ -49,8 +52,8 @@ class GenDataConfig:
     num_shards: int = 1
 
     def __post_init__(self) -> None:
-        if self.subset not in ("train", "heldout"):
-            raise ValueError(f"subset must be 'train' or 'heldout', got {self.subset!r}")
+        if self.subset not in SUBSETS:
+            raise ValueError(f"subset must be one of {', '.join(SUBSETS)}, got {self.subset!r}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
         if self.num_prompts < 2 or not 0 < self.heldout < self.num_prompts:
@@ -105,27 +108,51 @@ def prepare_split(cfg: GenDataConfig, prompts: list[str]) -> tuple[list[str], di
     return unique, manifest
 
 
+def followup_prompts(followups: list[PromptRecord], unique: list[str], manifest: dict,
+                     seed: int) -> list[str]:
+    """The later user turns (``followups``, records with ``opener`` set) of conversations whose
+    first turn is a train prompt of the split (``unique``, ``manifest`` of ``split_prompts``),
+    standalone: deduplicated, without any prompt of the split itself, in a seeded order (so a
+    ``--limit`` draws across conversations). Conversations opened by a held-out prompt, or by
+    one past ``num_prompts``, stay out. Index ``i`` of the result is record ``index`` ``i``."""
+    train = {unique[i].strip() for i in manifest["train"]}
+    taken, out = {p.strip() for p in unique}, []
+    for rec in followups:
+        key = rec.prompt.strip()
+        if rec.opener is not None and rec.opener.strip() in train and key and key not in taken:
+            taken.add(key)
+            out.append(rec.prompt)
+    random.Random(seed).shuffle(out)
+    return out
+
+
 def prompts_to_answer(cfg: GenDataConfig, manifest: dict, done: set[int]) -> list[int]:
     """Indices still to answer: every ``cfg.num_shards``-th from the ``cfg.shard``-th of the
     first ``cfg.limit`` (all if None) of the split's ``cfg.subset`` list, minus those in
     ``done``. Held-out answers are evaluation text (e.g. greedy, for position-1 acceptance),
-    never training data."""
+    never training data. ``manifest["followups"]`` is ``range(len(followup_prompts(...)))``."""
     mine = manifest[cfg.subset][:cfg.limit][cfg.shard::cfg.num_shards]
     return [i for i in mine if i not in done]
 
 
-def generate(cfg: GenDataConfig, prompts: list[str] | None = None, *, progress: bool = True) -> int:
+def generate(cfg: GenDataConfig, prompts: list[str] | None = None,
+             followups: list[PromptRecord] | None = None, *, progress: bool = True) -> int:
     """Generate the responses of every prompt of ``cfg.subset`` (the first ``cfg.limit`` of
     them, if set) not yet in ``sequences.jsonl``.
 
     Args:
         prompts: the ShareGPT first user turns (None: load them; tests pass their own).
+        followups: the ShareGPT later user turns, read for subset ``followups`` (None: load).
     Returns:
         the number of records written by this call.
     """
     from tqdm import tqdm
 
     unique, manifest = prepare_split(cfg, load_prompts("sharegpt") if prompts is None else prompts)
+    if cfg.subset == "followups":
+        unique = followup_prompts(load_records("sharegpt-followups") if followups is None
+                                  else followups, unique, manifest, cfg.seed)
+        manifest = {**manifest, "followups": list(range(len(unique)))}
     todo = prompts_to_answer(cfg, manifest, {int(r["index"]) for r in read_records(cfg.out)})
     engine = LLMEngine(EngineConfig(model=cfg.model, speculative="none", dtype=cfg.dtype,
                                     quantization=cfg.quantization,

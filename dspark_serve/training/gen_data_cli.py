@@ -5,7 +5,7 @@ import argparse
 from dataclasses import fields
 
 from dspark_serve.engine.config import QUANTIZATIONS
-from dspark_serve.training.gen_data import GenDataConfig
+from dspark_serve.training.gen_data import SUBSETS, GenDataConfig
 
 _HELP = {
     "out": "data folder (split.json, sequences.jsonl); an existing folder resumes",
@@ -21,8 +21,9 @@ _HELP = {
     "dtype": "target dtype",
     "quantization": "target weights: as dtype, or int4 decoder layers (the fast CPU path; bfloat16 only)",
     "seed": "split, greedy share and sampling seed",
-    "subset": "which prompts of the split to answer: train, or heldout (evaluation text; use a "
-              "separate --out folder and --greedy-fraction 1)",
+    "subset": "which prompts of the split to answer: train; heldout (evaluation text; use a "
+              "separate --out folder and --greedy-fraction 1); or followups (the later user "
+              "turns of the train prompts' conversations, standalone; a separate --out folder)",
     "limit": "answer only the first N prompts of the subset (default: all)",
     "shard": "answer every --num-shards-th prompt from this one (one process and --out folder "
              "per core; train on all folders)",
@@ -44,7 +45,7 @@ def add_parser(subparsers) -> None:
         elif f.name == "quantization":
             p.add_argument(flag, choices=QUANTIZATIONS, default=f.default, help=_HELP[f.name])
         elif f.name == "subset":
-            p.add_argument(flag, choices=("train", "heldout"), default=f.default,
+            p.add_argument(flag, choices=SUBSETS, default=f.default,
                            help=_HELP[f.name])
         elif f.name == "limit":
             p.add_argument(flag, type=int, default=None, help=_HELP[f.name])

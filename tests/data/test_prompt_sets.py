@@ -20,6 +20,7 @@ from dspark_serve.data.prompt_sets import (PROMPT_SETS, PromptRecord, load_promp
     ("alpaca", 805, "What are the names of some famous actors that started their careers on "
                     "Broadway?"),
     ("sharegpt", 17393, "Summarize the main ideas of Jeff Walker's Product Launch Formula"),
+    ("sharegpt-followups", 43898, "Summarize the main ideas of Brendon Burchard's Experts"),
 ])
 def test_real_sets(name, count, first):
     prompts = load_prompts(name)
@@ -34,6 +35,9 @@ def test_references():
         "    for idx, elem in enumerate(numbers):")
     assert load_records("sharegpt", 1)[0].reference.startswith(
         "Here are the main ideas of Jeff Walker's")
+    followup = load_records("sharegpt-followups", 1)[0]
+    assert followup.reference.startswith("Here are the main ideas of Brendon Burchard's")
+    assert followup.opener == load_prompts("sharegpt", 1)[0]
 
 
 def test_limit_is_prefix():
@@ -55,7 +59,10 @@ def test_sharegpt_truncated_file():
         {"id": "a", "conversations": [{"from": "human", "value": "first?"},
                                       {"from": "gpt", "value": "answer one"}]},
         {"id": "b", "conversations": [{"from": "gpt", "value": "greeting"},
-                                      {"from": "human", "value": "second?"}]},
+                                      {"from": "human", "value": "second?"},
+                                      {"from": "gpt", "value": "answer two"},
+                                      {"from": "human", "value": " "},
+                                      {"from": "human", "value": "and then?"}]},
         {"id": "c", "conversations": [{"from": "human", "value": "  "}]},
         {"id": "d", "conversations": [{"from": "human", "value": "cut off"}]},
     ]
@@ -63,7 +70,9 @@ def test_sharegpt_truncated_file():
     truncated = text[:text.index('"cut off"') + 4]  # stops inside the last record
     parse = PROMPT_SETS["sharegpt"][3]
     assert list(parse(truncated.encode())) == [PromptRecord("first?", "answer one"),
-                                               PromptRecord("second?", None)]
+                                               PromptRecord("second?", "answer two")]
+    followups = PROMPT_SETS["sharegpt-followups"][3]
+    assert list(followups(truncated.encode())) == [PromptRecord("and then?", None, "second?")]
 
 
 def test_parse_once_then_cache(tmp_path, monkeypatch):
@@ -79,3 +88,16 @@ def test_parse_once_then_cache(tmp_path, monkeypatch):
     assert load_records("humaneval") == expected
     assert calls == [PROMPT_SETS["humaneval"][:3]]  # second load read the cache file
     assert (tmp_path / "prompt_sets" / "humaneval-v1.json").exists()
+
+
+def test_followups_keep_their_opener_through_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_SERVE_CACHE", str(tmp_path))
+    conversation = {"conversations": [{"from": "human", "value": "hi"},
+                                      {"from": "gpt", "value": "hello"},
+                                      {"from": "human", "value": "more"}]}
+    monkeypatch.setattr(prompt_sets, "wheel_member",
+                        lambda *args: json.dumps([conversation]).encode())
+    expected = [PromptRecord("more", None, "hi")]
+    assert load_records("sharegpt-followups") == expected
+    assert load_records("sharegpt-followups") == expected    # read back from the cache file
+    assert load_records("sharegpt") == [PromptRecord("hi", "hello")]

@@ -30,6 +30,7 @@ from dspark_serve.drafter.corpus_lookup import CorpusDraft, CorpusIndex
 from dspark_serve.drafter.prompt_lookup import LookupDraft, LookupIndex
 from dspark_serve.engine.params import SamplingParams
 from dspark_serve.sampling.sampler import sample_from_probs
+from dspark_serve.scheduling.step_cost import MeasuredStepCost
 from dspark_serve.types import VerifyResult
 from tests.engine.exact_distribution import goodness_of_fit, prefix_logits
 
@@ -227,6 +228,9 @@ def test_corpus_lookup_sampling_matches_exact(make_engine, generate, prompt_ids,
     monkeypatch.setattr(LookupIndex, "draft", lambda index, text, n: LookupDraft([], 0))
     monkeypatch.setattr(speculator_module, "DRAFTER_SURVIVAL_EMA", 0.0)
     monkeypatch.setattr(engine.speculator, "_drafter_survival", 0.0)
+    # served step times would move the schedule with the host's load (148 corpus rows beside
+    # a parallel job, 251 quiet): the test's fixed cost model alone prices the steps
+    monkeypatch.setattr(MeasuredStepCost, "observe", lambda self, *args: None)
     use_oracle(engine, distribution_oracle(engine, draft_distribution(conditionals,
                                                                       engine.vocab_size), seed=8))
     corpus_rows = []

@@ -79,3 +79,25 @@ def test_shards_split_the_prompts_between_processes_without_overlap():
     assert shards == [[0, 7], [2, 5, 8]]
     with pytest.raises(ValueError, match="shard"):
         GenDataConfig(out="x", shard=2, num_shards=2)
+
+
+def test_followups_come_from_train_conversations_only_deduplicated_and_seeded():
+    from dspark_serve.data.prompt_sets import PromptRecord
+    from dspark_serve.training.gen_data import followup_prompts, prompts_to_answer
+
+    unique = ["open0", "open1", "open2", "open3"]
+    manifest = {"train": [0, 2, 3], "heldout": [1]}
+    followups = [PromptRecord("a", opener="open0"), PromptRecord("b", opener="open1"),
+                 PromptRecord(" a ", opener="open2"),      # the same prompt again
+                 PromptRecord("open3", opener="open2"),    # a prompt of the split itself
+                 PromptRecord("c", opener="open9"),        # opener past num_prompts
+                 PromptRecord("d", opener=" open3"), PromptRecord("e", opener="open2"),
+                 PromptRecord("f", opener=None)]
+    out = followup_prompts(followups, unique, manifest, seed=0)
+    assert sorted(out) == ["a", "d", "e"]          # "b" belongs to a held-out conversation
+    assert out == followup_prompts(followups, unique, manifest, seed=0)
+    orders = {tuple(followup_prompts(followups, unique, manifest, seed=s)) for s in range(20)}
+    assert len(orders) > 1
+    cfg = GenDataConfig(out="x", num_prompts=4, heldout=1, subset="followups", limit=2)
+    manifest = {**manifest, "followups": list(range(len(out)))}
+    assert prompts_to_answer(cfg, manifest, {0}) == [1]
