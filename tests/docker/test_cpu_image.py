@@ -1,6 +1,6 @@
 """The CPU image, built and served for real: ``docker build`` of docker/Dockerfile.cpu, then
 ``docker run`` with its default command, /health and Docker's own healthcheck, the official
-``openai`` client (chat, streamed chat, a rejected request), and the container removed.
+``openai`` client (chat, streamed chat, a rejected request), and the container and image removed.
 
 Needs a Docker daemon (skipped otherwise) and the package registry during the build. Without
 an image registry, build a local base first and say where torch comes from (docker/README.md;
@@ -81,7 +81,12 @@ def image(daemon, request):
     report(request, f"built {IMAGE} in {time.monotonic() - start:.1f} s ({builder}, "
                     f"{' '.join(args) or 'default build args'}): {size / 1e6:.0f} MB, "
                     f"base {base} {base_size / 1e6:.0f} MB")
-    return size, base_size
+    image_id = docker("image", "inspect", "-f", "{{.Id}}", IMAGE).stdout.strip()
+    yield size, base_size
+    # ~3 GB per build, left behind by every run until the disk filled; by id, because removing
+    # the tag of a BuildKit image only untags it
+    docker("rmi", "-f", image_id, timeout=120)
+    assert docker("image", "inspect", image_id, check=False).returncode != 0
 
 
 def test_image_contents(image):
