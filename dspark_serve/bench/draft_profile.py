@@ -5,7 +5,8 @@ For R requests (``--requests``), each holding ``--context`` cached context posit
 shipped drafter and target are loaded as the engine serves them (``build_engine``: same
 quantization, pruned draft vocabulary, 8-bit drafter linears under an int4 target) and timed:
 
-- draft: ``DSparkDrafter.draft`` for the R blocks (greedy rows, as in the benchmarks),
+- draft: ``DSparkDrafter.draft`` for the R blocks (greedy rows, as in the benchmarks), of
+  ``--widths`` draft positions (default gamma; the async scheduler drafts K + 1 of them),
   split into the backbone (block embeddings and draft layers over the cached context), the LM
   head over the draft vocabulary, and the sequential head's left-to-right draw plus the
   confidence head (``sample_block``; the dense [R, gamma, V] draft probabilities included);
@@ -51,20 +52,24 @@ def _interleaved_ms(fns: list, repeats: int) -> list[list[float]]:
 
 
 def draft_times(target: TargetModel, drafter: DSparkDrafter, requests: int, *, context: int,
-                repeats: int = 15, seed: int = 0) -> dict:
+                width: int | None = None, repeats: int = 15, seed: int = 0) -> dict:
     """Phase times of one drafting round for ``requests`` requests at ``context`` cached
-    positions each (module docstring).
+    positions each, blocks of ``width`` draft positions (None: gamma; module docstring).
 
     Returns:
-        {"R", "draft_ms", "backbone_ms", "lm_head_ms", "sampling_ms", "context_us_per_token",
-        "step_ms", "share"}: milliseconds (wall, median over repeats; backbone = block
-        forward - LM head and sampling = draft - block forward, per repeat), microseconds per
-        context token, and share = the median over repeats of draft / step time.
+        {"R", "width", "draft_ms", "backbone_ms", "lm_head_ms", "sampling_ms",
+        "context_us_per_token", "step_ms", "share"}: milliseconds (wall, median over repeats;
+        backbone = block forward - LM head and sampling = draft - block forward, per repeat),
+        microseconds per context token, and share = the median over repeats of draft / step
+        time.
     Raises:
-        ValueError: requests or context < 1.
+        ValueError: requests or context < 1, width outside 1..gamma.
     """
     if requests < 1 or context < 1:
         raise ValueError(f"requests and context must be >= 1, got {requests}, {context}")
+    width = drafter.gamma if width is None else width
+    if not 1 <= width <= drafter.gamma:
+        raise ValueError(f"width must be in 1..{drafter.gamma}, got {width}")
     gen = torch.Generator().manual_seed(seed)
     device = target.device
     cache = drafter.new_cache(requests, context + drafter.gamma + 1)
@@ -79,8 +84,8 @@ def draft_times(target: TargetModel, drafter: DSparkDrafter, requests: int, *, c
     anchors = torch.randint(0, drafter.config.vocab_size, (requests,), generator=gen).to(device)
     anchor_pos = torch.full((requests,), context, device=device)
     sampling = SamplingTensors.uniform(requests, temperature=0.0, device=device)
-    uniforms = torch.rand(requests, drafter.gamma, generator=gen).to(device)
-    hidden, _ = drafter.block_forward(cache, slots, anchors, anchor_pos)
+    uniforms = torch.rand(requests, width, generator=gen).to(device)
+    hidden, _ = drafter.block_forward(cache, slots, anchors, anchor_pos, width)
     _, lm_head = drafter.shared_modules
     weight = getattr(lm_head, "weight", None)
     head_in = hidden if weight is None else hidden.to(weight.dtype)
@@ -88,12 +93,12 @@ def draft_times(target: TargetModel, drafter: DSparkDrafter, requests: int, *, c
     step_cache = filled_cache(target, requests, context + 1)
     draft, block, head, extend, step = _interleaved_ms([
         lambda: drafter.draft(cache, slots, anchors, anchor_pos, sampling, uniforms),
-        lambda: drafter.block_forward(cache, slots, anchors, anchor_pos),
+        lambda: drafter.block_forward(cache, slots, anchors, anchor_pos, width),
         lambda: lm_head(head_in),
         lambda: drafter.extend_context(cache, slots, last, one_token),
         lambda: target.forward(step_ids, step_slots, step_pos, step_cache)], repeats)
     med = statistics.median
-    return {"R": requests, "draft_ms": med(draft),
+    return {"R": requests, "width": width, "draft_ms": med(draft),
             "backbone_ms": med(b - h for b, h in zip(block, head)), "lm_head_ms": med(head),
             "sampling_ms": med(d - b for d, b in zip(draft, block)),
             "context_us_per_token": 1e3 * med(extend) / requests, "step_ms": med(step),
@@ -101,14 +106,14 @@ def draft_times(target: TargetModel, drafter: DSparkDrafter, requests: int, *, c
 
 
 def format_draft_table(records: list[dict]) -> str:
-    """One row per R: the phase times (ms), the context cost per token (us), the target decode
-    step (ms) and the draft's share of it, against ``DRAFT_BUDGET``."""
-    lines = [f"{'R':>3} {'draft ms':>9} {'backbone':>9} {'LM head':>8} {'sampling':>9} "
-             f"{'ctx us/tok':>10} {'step ms':>8} {'draft/step':>10}"]
+    """One row per R and width: the phase times (ms), the context cost per token (us), the
+    target decode step (ms) and the draft's share of it, against ``DRAFT_BUDGET``."""
+    lines = [f"{'R':>3} {'width':>5} {'draft ms':>9} {'backbone':>9} {'LM head':>8} "
+             f"{'sampling':>9} {'ctx us/tok':>10} {'step ms':>8} {'draft/step':>10}"]
     for r in records:
         verdict = "ok" if r["share"] <= DRAFT_BUDGET else "over"
-        lines.append(f"{r['R']:>3} {r['draft_ms']:>9.2f} {r['backbone_ms']:>9.2f} "
-                     f"{r['lm_head_ms']:>8.2f} {r['sampling_ms']:>9.2f} "
+        lines.append(f"{r['R']:>3} {r['width']:>5} {r['draft_ms']:>9.2f} "
+                     f"{r['backbone_ms']:>9.2f} {r['lm_head_ms']:>8.2f} {r['sampling_ms']:>9.2f} "
                      f"{r['context_us_per_token']:>10.1f} {r['step_ms']:>8.2f} "
                      f"{100 * r['share']:>8.0f} % {verdict}")
     lines.append(f"(budget: a draft <= {100 * DRAFT_BUDGET:.0f} % of the target decode step)")
@@ -130,8 +135,9 @@ def main(args: argparse.Namespace) -> int:
           f"vocabulary {drafter.config.vocab_size if vocab is None else vocab.numel()}, gamma "
           f"{drafter.gamma}); target quantization={args.quantization} threads={args.threads} "
           f"context={args.context}; " + _load_text())
-    records = [draft_times(parts.target, drafter, r, context=args.context, repeats=args.repeats)
-               for r in args.requests]
+    records = [draft_times(parts.target, drafter, r, context=args.context, width=w,
+                           repeats=args.repeats)
+               for r in args.requests for w in args.widths or [drafter.gamma]]
     print(format_draft_table(records))
     print(_load_text())
     return 0
@@ -146,6 +152,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default="int4", choices=QUANTIZATIONS)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--requests", type=_int_list, default=list(DEFAULT_REQUESTS))
+    p.add_argument("--widths", type=_int_list, default=None,
+                   help="draft positions per block, e.g. 7,3 (default: gamma; the async "
+                        "scheduler drafts K + 1, often 2-4 at one user)")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=15)
     p.set_defaults(func=main)

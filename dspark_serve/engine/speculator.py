@@ -16,7 +16,9 @@ draft: steps that do not draft (the async scheduler found drafting not worth it)
 drafter work at all. Per-request caps (remaining max_tokens, the context limit, the number of
 lookup tokens found) are applied by zeroing the survival of slots past the cap before
 scheduling and clamping after it; they depend only on the request's state and text, never on
-drafted tokens still to be verified, so verification stays lossless.
+drafted tokens still to be verified, so verification stays lossless. With the async
+scheduler the drafter drafts only its ``draft_width`` positions (the capacity K + 1, known
+before drafting), and the block is padded to gamma.
 """
 from __future__ import annotations
 
@@ -324,17 +326,26 @@ class Speculator:
             # skipping it changes no decision.
             self._lookup_rounds = None
             return None, torch.zeros_like(caps)
-        block = None
+        # survival of the rows the drafter does not draft, as the scheduler will see it
+        known_confidence = (known_confidence if self.lookup is not None
+                            else torch.ones(r, g, dtype=torch.float32, device=device))
+        known_confidence = known_confidence * self._allowed(caps)
+        block, width = None, g
         if rows.numel():
+            width_of = getattr(self.scheduler, "draft_width", None)
+            if width_of is not None and not self.always_draft:
+                width = width_of(rows.numel(), known_confidence[~by_drafter])
+                caps = torch.where(by_drafter, caps.clamp(max=width), caps)
             self.flush()   # catching up on skipped steps is not this draft's cost
             start = time.perf_counter()
             block = self.drafter.draft(self.cache, slots[rows], anchors[rows],
                                        anchor_positions[rows], sampling.select(rows),
-                                       uniforms[rows, :g])
+                                       uniforms[rows, :width])
             if block.tokens.is_cuda:
                 torch.cuda.synchronize(device)
             draft_seconds = time.perf_counter() - start
             self._step_draft_seconds += draft_seconds
+            block = _pad_block(block, g)
         if block is None or rows.numel() < r:
             # lookup rows one-hot (probs None: built only where needed), drafter rows copied
             # in: [R, gamma, V] only when mixing with drafter rows that sample
@@ -349,9 +360,7 @@ class Speculator:
                     probs = dense_draft_probs(tokens, None, self.vocab_size)
                     probs[rows] = block.probs
             block = DraftBlock(tokens, probs, conf_logits)
-        confidence = torch.ones(r, g, dtype=torch.float32, device=device)
-        if self.lookup is not None:
-            confidence = known_confidence
+        confidence = known_confidence.clone()
         if self.has_confidence and rows.numel():
             temps = (self.temperatures if self.temperatures is not None
                      else torch.ones(g, device=device))
@@ -370,7 +379,7 @@ class Speculator:
         # this draft's time informs later steps only: its K must not depend on its own drafts
         observe = getattr(self.scheduler, "observe_draft", None)
         if observe is not None and rows.numel():
-            observe(rows.numel(), draft_seconds)
+            observe(rows.numel(), draft_seconds, width)
         lengths = torch.minimum(lengths, caps)
         if not rows.numel() and not bool(lengths.any()):
             # lookup drafts only, none admitted: a plain decode step, as when lookup finds
@@ -468,6 +477,17 @@ class Speculator:
             keep = mine & (verified > 0)
             if keep.any():
                 survival.observe(keys[keep], verified[keep], accepted[keep])
+
+
+def _pad_block(block: DraftBlock, gamma: int) -> DraftBlock:
+    """A block of w < gamma draft positions ([R, w] tokens, [R, w, V] probs or None, [R, w]
+    confidence logits) widened to gamma with zeros (positions past w are never verified)."""
+    missing = gamma - block.tokens.shape[1]
+    if missing <= 0:
+        return block
+    pad = lambda t: torch.cat([t, t.new_zeros(t.shape[0], missing, *t.shape[2:])], dim=1)
+    return DraftBlock(pad(block.tokens), None if block.probs is None else pad(block.probs),
+                      pad(block.conf_logits))
 
 
 def _expected_lengths(table: torch.Tensor, gamma: int):

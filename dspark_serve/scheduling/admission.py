@@ -166,15 +166,17 @@ def max_admissions(num_requests: int, admissible: int, limit: int | None) -> int
 
 
 def throughput_curve(cum_survival: torch.Tensor, num_requests: int, max_k: int,
-                     cost_table: CostTable, overhead_s: float = 0.0) -> torch.Tensor:
+                     cost_table: CostTable, overhead_s: float | torch.Tensor = 0.0
+                     ) -> torch.Tensor:
     """Theta_k = (R + S_k) / (1 / SPS(R + k) + overhead_s) in expected tokens/s for admitting
     the first k ranked slots, k = 0..max_k: [max_k + 1] float64 (``cum_survival`` as
     ``Ranking.cum``; ``cost_table``: a CostTable or ``step_cost.MeasuredStepCost``;
-    ``overhead_s``: seconds the step spends outside the target forward, e.g. drafting; 0 gives
-    the paper's (R + S_k) * SPS(R + k))."""
+    ``overhead_s``: seconds the step spends outside the target forward, e.g. drafting, one
+    for every k or [max_k + 1] float64 per k; 0 gives the paper's (R + S_k) * SPS(R + k))."""
     sps = cost_table.sps_range(num_requests, num_requests + max_k + 1, cum_survival.device)
     tokens = cum_survival[:max_k + 1] + num_requests
-    if overhead_s <= 0:
+    if not isinstance(overhead_s, torch.Tensor) and overhead_s <= 0:
         return tokens * sps
+    overhead_s = torch.as_tensor(overhead_s, dtype=torch.float64, device=sps.device)
     # SPS 0 (B over the table's limit) stays Theta 0.
     return torch.where(sps > 0, tokens * sps / (1 + overhead_s * sps), 0.0)

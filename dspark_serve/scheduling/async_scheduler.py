@@ -47,6 +47,14 @@ made plain serving ~10 % slower on a 2-core CPU). Where the drafter pays, this c
 where it cannot (a weak drafter, a CPU), serving falls back to plain decoding instead of
 running slower than it.
 
+Beyond the paper: the draft's width. K is known before step t drafts, and no row can verify
+more than K drafts, so the drafter drafts min(gamma, K + 1) positions (``draft_width``; the
+block cut to them): the extra position's survival lets K grow by one per drafted step, since
+only drafted positions enter the history. A narrower block costs less (on a 2-core CPU at one
+user, ~1.2 ms for 3 of SmolLM2's 7 positions against ~1.9 ms; acceptance at the kept
+positions within ~0.015 of the full block's), and the drafting time is kept per width, so
+each K is priced with the width it drafts. Lossless: the width is a function of K.
+
 Beyond the paper: proposing must pay for itself. Prompt lookup, drafting and the scheduling
 around them cost wall time in every step that proposes (measured: ~1 ms of a ~31 ms step at 16
 users on a 2-core CPU), while a verified draft token there costs about as much as it saves, so
@@ -121,7 +129,10 @@ class AsyncScheduler:
         # Per past drafted step: (R', cumulative ranked survival [R'*gamma + 1] f64,
         # #slots with a > 0).
         self._history: deque[tuple[int, torch.Tensor, int]] = deque(maxlen=LAG_STEPS)
-        self._draft_seconds: dict[int, float] = {}   # R -> moving average of drafting time
+        # R -> width -> moving average of the seconds drafting R blocks of width positions,
+        # and R -> [gamma] float64 the estimates by width 1..gamma (``_draft_overheads``)
+        self._draft_seconds: dict[int, dict[int, float]] = {}
+        self._overheads: dict[int, torch.Tensor] = {}
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
         # worth_drafting's answers: (R, known rows) -> pays, for the state versions in
@@ -146,6 +157,7 @@ class AsyncScheduler:
         starts)."""
         self._history.clear()
         self._draft_seconds.clear()
+        self._overheads.clear()
         self.step_cost = MeasuredStepCost(self.cost_table)
         self._skipped = 0
         self._probe_interval = PROBE_INTERVAL
@@ -154,12 +166,15 @@ class AsyncScheduler:
         self._proposal_probe_interval = PROPOSAL_PROBE_INTERVAL
         self._version += 1
 
-    def observe_draft(self, num_requests: int, seconds: float) -> None:
-        """Record the wall time (seconds) of drafting one block for ``num_requests`` requests."""
+    def observe_draft(self, num_requests: int, seconds: float, width: int | None = None) -> None:
+        """Record the wall time (seconds) of drafting blocks of ``width`` draft positions
+        (None: gamma) for ``num_requests`` requests."""
         self._version += 1
-        old = self._draft_seconds.get(num_requests)
-        self._draft_seconds[num_requests] = (seconds if old is None else
-                                             old + DRAFT_TIME_EMA * (seconds - old))
+        self._overheads.clear()
+        widths = self._draft_seconds.setdefault(num_requests, {})
+        width = self.gamma if width is None else width
+        old = widths.get(width)
+        widths[width] = seconds if old is None else old + DRAFT_TIME_EMA * (seconds - old)
 
     def observe_step(self, batch_tokens: int, seconds: float) -> None:
         """Record a served decode step: B target positions (R + verified drafts, no prefill)
@@ -213,16 +228,40 @@ class AsyncScheduler:
             return True
         return False
 
-    def draft_seconds(self, num_requests: int) -> float:
-        """Estimated drafting seconds for R requests: the average measured at the nearest R
-        (0 before any measurement, so the first steps draft and measure; 0 for R = 0: a step
-        whose rows are all prompt lookup's does not run the drafter, and a phantom drafting
-        time added to every K's step time made verifying look cheap, so the default hybrid
-        verified 2x the lookup steps that ngram did at one user)."""
+    def draft_seconds(self, num_requests: int, width: int | None = None) -> float:
+        """Estimated seconds drafting R blocks of ``width`` draft positions (None: gamma):
+        the average measured at the nearest R, among its widths the nearest (ties: the
+        smaller). 0 before any measurement, so the first steps draft and measure; 0 for R =
+        0: a step whose rows are all prompt lookup's does not run the drafter, and a phantom
+        drafting time added to every K's step time made verifying look cheap, so the default
+        hybrid verified 2x the lookup steps that ngram did at one user."""
         if not self._draft_seconds or num_requests <= 0:
             return 0.0
-        nearest = min(self._draft_seconds, key=lambda r: (abs(r - num_requests), r))
-        return self._draft_seconds[nearest]
+        return float(self._draft_overheads(num_requests)[(width or self.gamma) - 1])
+
+    def _draft_overheads(self, num_requests: int) -> torch.Tensor:
+        """[gamma] float64 ``draft_seconds`` of R >= 1 requests by width 1..gamma (cached until
+        the next ``observe_draft``; needs a measurement)."""
+        cached = self._overheads.get(num_requests)
+        if cached is None:
+            widths = self._draft_seconds[min(self._draft_seconds,
+                                             key=lambda r: (abs(r - num_requests), r))]
+            cached = self._overheads[num_requests] = torch.tensor(
+                [widths[min(widths, key=lambda w: (abs(w - width), w))]
+                 for width in range(1, self.gamma + 1)], dtype=torch.float64)
+        return cached
+
+    def draft_width(self, num_drafted: int, known: torch.Tensor | None = None) -> int:
+        """Draft positions worth drafting this step for R_d drafter rows: K + 1 (at most
+        gamma), K the capacity ``__call__`` will admit with the same ``known`` rows ([R_k,
+        gamma] survival, or None): no row may verify more than K drafts, and the position
+        after them measures whether a larger K would pay (survival is recorded for drafted
+        positions only, so K can grow by one position per drafted step). A block cut to w
+        positions costs less (~1.2 vs ~2.3 ms at one user for 3 of 7 on a 2-core CPU).
+        Lossless: K reads finished steps and R only."""
+        if num_drafted <= 0:
+            return self.gamma
+        return min(self.gamma, self._capacity(num_drafted, _known_values(known)) + 1)
 
     def worth_drafting(self, num_requests: int, known: torch.Tensor | None = None) -> bool:
         """Whether step t should run the drafter (module docstring): some K >= 1 with the
@@ -244,9 +283,8 @@ class AsyncScheduler:
         pays = self._pays.get(key)
         if pays is None:
             known_values = _known_values(known)
-            theta = self._theta(num_requests, known_values, self.draft_seconds(num_requests))
-            best_without = float(self._theta(num_requests, known_values, 0.0,
-                                             drafting=False).max())
+            theta = self._theta(num_requests, known_values)
+            best_without = float(self._theta(num_requests, known_values, drafting=False).max())
             pays = self._pays[key] = theta.numel() > 1 and float(theta[1:].max()) > best_without
         if pays:
             self._skipped = 0
@@ -271,7 +309,7 @@ class AsyncScheduler:
         key = (num_requests, tuple(best_case.tolist()), self.step_cost.version)
         if self._verify_pays is None or self._verify_pays[0] != key:
             known = best_case.reshape(1, -1).expand(num_requests, -1)
-            theta = self._theta(0, _known_values(known), 0.0)
+            theta = self._theta(0, _known_values(known))
             pays = theta.numel() > 1 and float(theta[1:].max()) > float(theta[0])
             self._verify_pays = (key, pays)
         return self._verify_pays[1]
@@ -322,15 +360,16 @@ class AsyncScheduler:
         return lengths
 
     def _capacity(self, num_drafted: int, known_values: torch.Tensor) -> int:
-        theta = self._theta(num_drafted, known_values, self.draft_seconds(num_drafted))
+        theta = self._theta(num_drafted, known_values)
         return int(theta.argmax())      # first maximum: the smallest K among equal throughputs
 
-    def _theta(self, num_drafted: int, known_values: torch.Tensor, overhead_s: float,
+    def _theta(self, num_drafted: int, known_values: torch.Tensor,
                drafting: bool = True) -> torch.Tensor:
         """Theta_K for K = 0..max_K over R = num_drafted + known rows: the lagged drafter
         survival stretched to ``num_drafted`` rows (none without ``drafting``: those rows
         then decode one token each), merged with ``known_values`` ([n] float64 survival of
-        the known rows, any order; module docstring)."""
+        the known rows, any order; module docstring); with drafting, each K's step also pays
+        the drafting time of blocks of ``draft_width`` min(gamma, K + 1) positions."""
         num_req = num_drafted + known_values.numel() // self.gamma
         limit = admission.batch_limit(num_req, self.max_batch_tokens, self.step_cost)
         num_slots = num_drafted * self.gamma
@@ -347,7 +386,12 @@ class AsyncScheduler:
             cum = torch.cat([merged.new_zeros(1), merged.cumsum(0)])
             admissible += positive.numel()
         max_k = admission.max_admissions(num_req, admissible, limit)
-        return admission.throughput_curve(cum, num_req, max_k, self.step_cost, overhead_s)
+        overhead = 0.0
+        if drafting and num_drafted > 0 and self._draft_seconds:
+            # K's step drafts min(gamma, K + 1) positions (``draft_width``)
+            overhead = self._draft_overheads(num_drafted)[
+                torch.arange(max_k + 1).clamp_(max=self.gamma - 1)]
+        return admission.throughput_curve(cum, num_req, max_k, self.step_cost, overhead)
 
 
 def _known_values(known: torch.Tensor | None) -> torch.Tensor:

@@ -47,6 +47,8 @@ class MeasuredStepCost:
         self.table = table
         self.max_batch_tokens = table.max_batch_tokens
         self.version = 0          # bumps whenever the prices change
+        # profiled seconds of B = 1..max_batch_tokens (index B - 1)
+        self._profiled = (1.0 / table.sps_range(1, self.max_batch_tokens + 1)).tolist()
         self._ratio: dict[int, float] = {}     # B -> served / profiled seconds (average)
         self._priced: dict[int, float] = {}    # the ratios the current prices use
         # device -> corrected SPS [max_batch_tokens + 1] float64 (index B; 0 at B = 0)
@@ -58,8 +60,7 @@ class MeasuredStepCost:
         the table's limit or without a positive time are ignored."""
         if not 1 <= batch_tokens <= self.max_batch_tokens or not seconds > 0:
             return
-        profiled = 1.0 / float(self.table.sps_range(batch_tokens, batch_tokens + 1)[0])
-        ratio = seconds / profiled
+        ratio = seconds / self._profiled[batch_tokens - 1]
         old = self._ratio.get(batch_tokens)
         self._ratio[batch_tokens] = ratio if old is None else old + STEP_TIME_EMA * (ratio - old)
         priced = self._priced.get(batch_tokens)

@@ -48,6 +48,7 @@ class GenDataConfig:
     seed: int = 0
     subset: str = "train"
     limit: int | None = None
+    skip: int = 0
     shard: int = 0
     num_shards: int = 1
 
@@ -56,6 +57,8 @@ class GenDataConfig:
             raise ValueError(f"subset must be one of {', '.join(SUBSETS)}, got {self.subset!r}")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1, got {self.limit}")
+        if self.skip < 0:
+            raise ValueError(f"skip must be >= 0, got {self.skip}")
         if self.num_prompts < 2 or not 0 < self.heldout < self.num_prompts:
             raise ValueError(f"need num_prompts >= 2 and 0 < heldout < num_prompts, got "
                              f"{self.num_prompts} / {self.heldout}")
@@ -128,10 +131,10 @@ def followup_prompts(followups: list[PromptRecord], unique: list[str], manifest:
 
 def prompts_to_answer(cfg: GenDataConfig, manifest: dict, done: set[int]) -> list[int]:
     """Indices still to answer: every ``cfg.num_shards``-th from the ``cfg.shard``-th of the
-    first ``cfg.limit`` (all if None) of the split's ``cfg.subset`` list, minus those in
-    ``done``. Held-out answers are evaluation text (e.g. greedy, for position-1 acceptance),
+    first ``cfg.limit`` (all if None) of the split's ``cfg.subset`` list less its first
+    ``cfg.skip``, minus those in ``done``. Held-out answers are evaluation text (e.g. greedy, for position-1 acceptance),
     never training data. ``manifest["followups"]`` is ``range(len(followup_prompts(...)))``."""
-    mine = manifest[cfg.subset][:cfg.limit][cfg.shard::cfg.num_shards]
+    mine = manifest[cfg.subset][cfg.skip:cfg.limit][cfg.shard::cfg.num_shards]
     return [i for i in mine if i not in done]
 
 

@@ -25,6 +25,8 @@ _HELP = {
               "separate --out folder and --greedy-fraction 1); or followups (the later user "
               "turns of the train prompts' conversations, standalone; a separate --out folder)",
     "limit": "answer only the first N prompts of the subset (default: all)",
+    "skip": "leave out the first N prompts of the subset (answered in folders no longer "
+            "at hand), before sharding",
     "shard": "answer every --num-shards-th prompt from this one (one process and --out folder "
              "per core; train on all folders)",
     "num_shards": "processes the prompts are shared between",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 
 from dspark_serve.engine.config import EngineConfig
 from dspark_serve.engine.llm_engine import LLMEngine
@@ -119,7 +120,8 @@ def test_async_drafts_only_where_it_pays(engine_for, generate, mtbench_prompts,
     engine = engine_for("dspark", "async")
     sched = engine.speculator.scheduler
     sched.reset()
-    monkeypatch.setattr(sched, "draft_seconds", lambda num_requests: 10.0)
+    monkeypatch.setattr(sched, "_draft_overheads",
+                        lambda num_requests: torch.full((sched.gamma,), 10.0, dtype=torch.float64))
     drafter = engine.speculator.drafter
     context_calls = []
     extend_context = drafter.extend_context

@@ -227,6 +227,32 @@ def test_served_step_time_reaches_the_scheduler_without_drafting():
     assert spec.scheduler.seen == [(9, pytest.approx(1.0 - drafted)), (3, 1.0)]
 
 
+def test_async_scheduler_drafts_only_the_positions_it_may_verify():
+    """The drafter drafts the scheduler's ``draft_width`` positions (K + 1), the block is
+    padded to gamma with zeros, no row verifies past the width, and the draft's time is
+    recorded for that width."""
+    from dspark_serve.scheduling import CostTable
+    drafter = tiny_drafter(tiny_config(block_size=4), seed=2)
+    spec = Speculator(drafter, vocab_size=V, gamma=4, scheduler="async",
+                      cost_table=CostTable((1, 64), (1.0, 1.0), 64), temperatures=None,
+                      threshold=0.6, max_batch_tokens=None, num_slots=4, max_len=32)
+    spec.extend(torch.tensor([0] * 5 + [1] * 3), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
+                torch.randn(8, drafter.config.context_dim))
+    widths = []
+    draft = drafter.draft
+    drafter.draft = lambda *args: widths.append(args[-1].shape[1]) or draft(*args)
+    spec.scheduler.draft_width = lambda num_drafted, known: 2
+    block, lengths = spec.propose(torch.tensor([0, 1]), torch.tensor([3, 4]),
+                                  torch.tensor([5, 3]), [[1] * 6, [2] * 4],
+                                  SamplingTensors.uniform(2, 0.0), torch.full((2, 4), 0.5),
+                                  torch.tensor([4, 4]))
+    assert widths == [2]
+    assert block.tokens.shape == (2, 4) and block.tokens[:, 2:].eq(0).all()
+    assert block.conf_logits[:, 2:].eq(0).all() and block.tokens[:, :2].ne(0).any()
+    assert lengths.le(2).all() and lengths.sum() > 0  # flat prices: every drafted slot pays
+    assert list(spec.scheduler._draft_seconds[2]) == [2]
+
+
 # ---- corpus lookup beside prompt lookup (hybrid) ----
 # Corpus contexts for TEXTS: row 0 ([.., 1, 2]) none; row 1 ([.., 7]) drafts 20 21 22 from a
 # context seen once (key 2); row 2 ([.., 3, 8]) drafts 30 31 after a context always followed by

@@ -180,6 +180,48 @@ def test_drafting_time_moving_average_and_nearest_r():
     assert sched.draft_seconds(4) == 0.0
 
 
+def test_draft_width_is_the_capacity_plus_one():
+    """Flat step prices: K = the slots with positive survival two drafted steps back, so the
+    drafter drafts K + 1 positions (at most gamma) and K can grow by one per drafted step."""
+    sched = make_scheduler("async", gamma=4, cost_table=FLAT)
+    assert sched.draft_width(1) == 4                  # no history: every slot assumed to survive
+    cut = torch.tensor([[0.9, 0.9, 0.0, 0.0]])        # a block drafted two positions wide
+    sched(cut)
+    sched(cut)
+    assert sched.capacity(1) == 2 and sched.draft_width(1) == 3
+    sched(torch.tensor([[0.9, 0.9, 0.9, 0.0]]))       # three drafted positions, all positive
+    sched(cut)
+    assert sched.draft_width(1) == 4                  # K = 3 from the step two back
+    assert sched.draft_width(1, torch.full((1, 4), 0.95)) == 4   # a lookup row: K = 7, capped
+    assert sched.draft_width(0) == 4
+
+
+def test_drafting_time_by_width():
+    """Drafting times are kept per width (the nearest width measured, ties to the smaller),
+    and each K pays the time of the width it drafts, min(gamma, K + 1)."""
+    sched = make_scheduler("async", gamma=4, cost_table=FLAT)
+    sched.observe_draft(1, 0.1, width=2)
+    sched.observe_draft(1, 0.4)                       # a full block
+    assert [sched.draft_seconds(1, w) for w in (1, 2, 3, 4)] == pytest.approx(
+        [0.1, 0.1, 0.1, 0.4])
+    assert sched.draft_seconds(1) == pytest.approx(0.4)
+    # gamma 2, a = 0.5, 0.25; SPS 1: a width-1 draft is free, a width-2 one costs 10 s:
+    # Theta_0..2 = 1 / 1, 1.5 / 11, 1.75 / 11, so K = 0 and one position is drafted, and
+    # drafting does not pay against a plain step (1.0)
+    sched = make_scheduler("async", gamma=2, cost_table=FLAT)
+    conf = torch.tensor([[0.5, 0.5]])
+    sched(conf)
+    sched(conf)
+    sched.observe_draft(1, 0.0, width=1)
+    sched.observe_draft(1, 10.0, width=2)
+    assert sched.capacity(1) == 0 and sched.draft_width(1) == 1
+    assert not sched.worth_drafting(1)
+    sched.observe_draft(1, 0.0, width=2)
+    for _ in range(80):
+        sched.observe_draft(1, 0.0, width=2)          # the average decays to ~10 * 0.75 ** 81 s
+    assert sched.capacity(1) == 2 and sched.draft_width(1) == 2 and sched.worth_drafting(1)
+
+
 def test_lookup_only_steps_pay_no_drafting_time():
     """A step whose rows are all lookup rows (known) sizes K without the drafter's measured
     time: that time, added to every K's step time, would make verifying look cheaper than it

@@ -67,6 +67,10 @@ def test_heldout_subset_answers_only_heldout_prompts_up_to_the_limit():
         GenDataConfig(out="x", subset="test")
     with pytest.raises(ValueError, match="limit"):
         GenDataConfig(out="x", limit=0)
+    skipped = GenDataConfig(out="x", num_prompts=7, heldout=3, limit=4, skip=1, num_shards=2)
+    assert prompts_to_answer(skipped, manifest, set()) == [2, 5]   # train[1:4], every 2nd
+    with pytest.raises(ValueError, match="skip"):
+        GenDataConfig(out="x", skip=-1)
 
 
 def test_shards_split_the_prompts_between_processes_without_overlap():
