@@ -173,6 +173,4 @@ class ModelRunner:
         """Hand the committed tokens' taps ([T, C] of the step's flat tokens) to the drafter."""
         if self.speculator is None or self.speculator.drafter is None:   # ngram: no context
             return
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)
-        self.speculator.extend(as_tensor(updates.slots), as_tensor(updates.pos),
-                               taps.index_select(0, as_tensor(updates.idx)))
+        self.speculator.extend(updates.slots, updates.pos, taps, updates.idx)

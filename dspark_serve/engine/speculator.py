@@ -156,15 +156,19 @@ class Speculator:
         # (decoding rows lookup drafted [N], their survival keys [N], from the corpus [N]) of
         # the last propose
         self._lookup_rounds: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-        # (slots [N], positions [N], taps [N, C]) committed since the last draft, in order.
-        self._pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (slots [N], positions [N], a step's taps, their rows [N] or None = all) committed
+        # since the last draft, in order; plain lists until ``flush`` (no tensor work in the
+        # steps that do not draft)
+        self._pending: list[tuple[list[int], list[int], torch.Tensor, list[int] | None]] = []
         self._pending_tokens = 0
         # (len(_pending) when reset, slot): that slot's entries before it belong to the
         # request that left it; ``flush`` drops them
         self._stale: list[tuple[int, int]] = []
-        # [num_slots] bool: slots whose drafter context was given up (until a new request)
+        # [num_slots] bool: slots whose drafter context was given up (until a new request),
+        # and the same slots as a set
         self._dropped = (torch.zeros(num_slots, dtype=torch.bool, device=self.cache.lengths.device)
                          if self.cache is not None else None)
+        self._dropped_slots: set[int] = set()
         self._step_draft_seconds = 0.0    # the drafter's wall time in the current step
 
     def should_draft(self, num_requests: int) -> bool:
@@ -207,22 +211,29 @@ class Speculator:
         if self._pending:
             self._stale.append((len(self._pending), slot))
         self._dropped[slot] = False
+        self._dropped_slots.discard(slot)
         self.cache.reset(torch.tensor([slot], device=self.cache.lengths.device))
 
-    def extend(self, slots: torch.Tensor, positions: torch.Tensor, taps: torch.Tensor) -> None:
-        """Add committed tokens' target taps ([N] slots, [N] positions, [N, C]) to the
-        context (projected at the next ``propose`` or ``flush``); once more than
+    def extend(self, slots: list[int] | torch.Tensor, positions: list[int] | torch.Tensor,
+               taps: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Add N committed tokens' target taps to the context (projected at the next
+        ``propose`` or ``flush``): slots, positions [N] (lists of ints or int64 tensors), taps
+        [T, C] with the tokens at ``rows`` [N] (None: taps is [N, C]). Once more than
         ``MAX_PENDING_TOKENS`` wait, their slots' contexts are given up instead
-        (``drop_context``). Nothing without a drafter, nothing for slots given up."""
-        if self.cache is None or not slots.numel():
+        (``drop_context``). Nothing without a drafter, nothing for slots given up. Kept as
+        given until ``flush``: the steps that do not draft do no tensor work here."""
+        if self.cache is None or not len(slots):
             return
-        if bool(self._dropped.any()):
-            keep = ~self._dropped[slots]
-            slots, positions, taps = slots[keep], positions[keep], taps[keep]
-            if not slots.numel():
+        if isinstance(slots, torch.Tensor):
+            slots, positions = slots.tolist(), positions.tolist()
+        if self._dropped_slots:
+            keep = [i for i, slot in enumerate(slots) if slot not in self._dropped_slots]
+            if not keep:
                 return
-        self._pending.append((slots, positions, taps))
-        self._pending_tokens += slots.numel()
+            slots, positions = [slots[i] for i in keep], [positions[i] for i in keep]
+            rows = keep if rows is None else [rows[i] for i in keep]
+        self._pending.append((slots, positions, taps, rows))
+        self._pending_tokens += len(slots)
         if self._pending_tokens > MAX_PENDING_TOKENS:
             self.drop_context()
 
@@ -231,8 +242,10 @@ class Speculator:
         longer drafts for them (prompt lookup still does) until ``reset_slot`` hands the slot
         to a new request. Keeping them would mean projecting every committed token for a
         drafter that has not drafted for ``MAX_PENDING_TOKENS`` tokens."""
-        if self._pending:
-            self._dropped[torch.cat([p[0] for p in self._pending])] = True
+        dropped = {slot for p in self._pending for slot in p[0]}
+        if dropped:
+            self._dropped[torch.tensor(sorted(dropped), device=self._dropped.device)] = True
+            self._dropped_slots |= dropped
         self._pending, self._pending_tokens, self._stale = [], 0, []
 
     def flush(self) -> None:
@@ -241,7 +254,12 @@ class Speculator:
         if not self._pending:
             return
         start = time.perf_counter()
-        slots, positions, taps = (torch.cat(parts) for parts in zip(*self._pending))
+        device = self.cache.lengths.device
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+        slots = as_tensor([slot for p in self._pending for slot in p[0]])
+        positions = as_tensor([pos for p in self._pending for pos in p[1]])
+        taps = torch.cat([t if r is None else t.index_select(0, torch.tensor(r, device=t.device))
+                          for _, _, t, r in self._pending]).to(device)
         if self._stale:
             entry = torch.repeat_interleave(
                 torch.arange(len(self._pending), device=slots.device),

@@ -43,13 +43,13 @@ def test_moving_average_and_repricing_threshold():
     cost = MeasuredStepCost(TABLE)
     cost.observe(2, 0.015)
     assert cost.version == 1
-    cost.observe(2, 0.010)                  # ratio 1.5 -> 1.45: moved > 2 %, repriced
-    assert cost.ratio(2) == pytest.approx(1.5 + STEP_TIME_EMA * (1.0 - 1.5))
+    cost.observe(2, 0.005)                  # ratio 1.5 -> 1.4: moved > REPRICE_REL, repriced
+    assert cost.ratio(2) == pytest.approx(1.5 + STEP_TIME_EMA * (0.5 - 1.5))
     assert cost.version == 2
-    small = 1.45 * (1 + REPRICE_REL / 2 / STEP_TIME_EMA)     # moves the average by 1 %
+    small = 1.4 * (1 + REPRICE_REL / 2 / STEP_TIME_EMA)   # moves the average by REPRICE_REL / 2
     cost.observe(2, small * 0.010)
-    assert cost.version == 2 and cost.ratio(2) == pytest.approx(1.45)   # prices kept
-    assert torch.allclose(cost.sps_range(2, 3), torch.tensor([100 / 1.45], dtype=torch.float64))
+    assert cost.version == 2 and cost.ratio(2) == pytest.approx(1.4)   # prices kept
+    assert torch.allclose(cost.sps_range(2, 3), torch.tensor([100 / 1.4], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("b,seconds", [(0, 0.01), (7, 0.01), (2, 0.0), (2, -1.0)])
