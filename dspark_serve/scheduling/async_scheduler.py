@@ -50,10 +50,11 @@ running slower than it.
 Beyond the paper: the draft's width. K is known before step t drafts, and no row can verify
 more than K drafts, so the drafter drafts min(gamma, K + 1) positions (``draft_width``; the
 block cut to them): the extra position's survival lets K grow by one per drafted step, since
-only drafted positions enter the history. A narrower block costs less (on a 2-core CPU at one
-user, ~1.2 ms for 3 of SmolLM2's 7 positions against ~1.9 ms; acceptance at the kept
-positions within ~0.015 of the full block's), and the drafting time is kept per width, so
-each K is priced with the width it drafts. Lossless: the width is a function of K.
+only drafted positions enter the history. A narrower block costs less (one request on a
+2-core CPU: 3 of SmolLM2's 7 positions ~1.3 against ~1.9 ms with the drafter's weights in
+cache, 2.7 against 3.4 ms read from memory as served; position-1 acceptance of the cut block
+within ~0.015 of the whole block's), and the drafting time is kept per width, so each K is
+priced with the width it drafts. Lossless: the width is a function of K.
 
 Beyond the paper: proposing must pay for itself. Prompt lookup, drafting and the scheduling
 around them cost wall time in every step that proposes (measured: ~1 ms of a ~31 ms step at 16
@@ -256,9 +257,8 @@ class AsyncScheduler:
         gamma), K the capacity ``__call__`` will admit with the same ``known`` rows ([R_k,
         gamma] survival, or None): no row may verify more than K drafts, and the position
         after them measures whether a larger K would pay (survival is recorded for drafted
-        positions only, so K can grow by one position per drafted step). A block cut to w
-        positions costs less (~1.2 vs ~2.3 ms at one user for 3 of 7 on a 2-core CPU).
-        Lossless: K reads finished steps and R only."""
+        positions only, so K can grow by one position per drafted step). Lossless: K reads
+        finished steps and R only."""
         if num_drafted <= 0:
             return self.gamma
         return min(self.gamma, self._capacity(num_drafted, _known_values(known)) + 1)

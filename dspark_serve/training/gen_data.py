@@ -132,8 +132,9 @@ def followup_prompts(followups: list[PromptRecord], unique: list[str], manifest:
 def prompts_to_answer(cfg: GenDataConfig, manifest: dict, done: set[int]) -> list[int]:
     """Indices still to answer: every ``cfg.num_shards``-th from the ``cfg.shard``-th of the
     first ``cfg.limit`` (all if None) of the split's ``cfg.subset`` list less its first
-    ``cfg.skip``, minus those in ``done``. Held-out answers are evaluation text (e.g. greedy, for position-1 acceptance),
-    never training data. ``manifest["followups"]`` is ``range(len(followup_prompts(...)))``."""
+    ``cfg.skip``, minus those in ``done``. Held-out answers are evaluation text (e.g.
+    greedy, for position-1 acceptance), never training data. ``manifest["followups"]`` is
+    ``range(len(followup_prompts(...)))``."""
     mine = manifest[cfg.subset][cfg.skip:cfg.limit][cfg.shard::cfg.num_shards]
     return [i for i in mine if i not in done]
 

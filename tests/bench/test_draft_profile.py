@@ -5,8 +5,8 @@ import pytest
 from dspark_serve.bench import draft_profile
 from tests.training.conftest import make_drafter, make_target
 
-KEYS = {"R", "width", "draft_ms", "backbone_ms", "lm_head_ms", "sampling_ms", "context_us_per_token",
-        "step_ms", "share"}
+KEYS = {"R", "width", "draft_ms", "backbone_ms", "lm_head_ms", "sampling_ms",
+        "context_us_per_token", "step_ms", "share"}
 
 
 def test_draft_times_on_a_tiny_pair():
@@ -28,13 +28,13 @@ def test_draft_times_on_a_tiny_pair():
 
 
 def test_draft_table_marks_the_budget():
-    rows = [{"R": 1, "width": 7, "draft_ms": 1.0, "backbone_ms": 0.5, "lm_head_ms": 0.25, "sampling_ms": 0.25,
-             "context_us_per_token": 40.0, "step_ms": 10.0, "share": 0.1},
-            {"R": 4, "width": 3, "draft_ms": 6.0, "backbone_ms": 3.0, "lm_head_ms": 1.0, "sampling_ms": 2.0,
-             "context_us_per_token": 20.0, "step_ms": 12.0, "share": 0.5}]
+    rows = [{"R": 1, "width": 7, "draft_ms": 1.0, "backbone_ms": 0.5, "lm_head_ms": 0.25,
+             "sampling_ms": 0.25, "context_us_per_token": 40.0, "step_ms": 10.0, "share": 0.1},
+            {"R": 4, "width": 3, "draft_ms": 6.0, "backbone_ms": 3.0, "lm_head_ms": 1.0,
+             "sampling_ms": 2.0, "context_us_per_token": 20.0, "step_ms": 12.0, "share": 0.5}]
     lines = draft_profile.format_draft_table(rows).splitlines()
-    assert lines[1].split() == ["1", "7", "1.00", "0.50", "0.25", "0.25", "40.0", "10.00", "10", "%",
-                                "ok"]
+    assert lines[1].split() == ["1", "7", "1.00", "0.50", "0.25", "0.25", "40.0", "10.00", "10",
+                                "%", "ok"]
     assert lines[2].split()[-3:] == ["50", "%", "over"]
     assert lines[3] == "(budget: a draft <= 15 % of the target decode step)"
 
