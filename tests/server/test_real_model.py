@@ -1,6 +1,8 @@
 """``dspark-serve serve`` with the real default model (SmolLM2-135M-Instruct, default DSpark
 drafter, async scheduler) in a subprocess on a free loopback port, driven by the official
-``openai`` client. A static cost table skips the start-up SPS profile."""
+``openai`` client. A static cost table skips the start-up SPS profile; ``--always-draft``
+makes every decode step propose, so the speculation these tests count does not hang on the
+scheduler's timing-dependent choice to draft (a loaded host made it decode plainly)."""
 from __future__ import annotations
 
 import os
@@ -38,7 +40,7 @@ def server_url(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dspark_serve.cli", "serve", "--port", str(port),
          "--cost-table", str(table), "--max-num-seqs", "4", "--max-model-len", "512",
-         "--log-level", "warning"],
+         "--always-draft", "--log-level", "warning"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
