@@ -29,8 +29,9 @@ class EngineConfig:
     speculative: "none" (plain decoding), "dflash" (parallel backbone only, fixed gamma),
         "dspark" (backbone + sequential head + confidence head + scheduler), "ngram" (prompt
         lookup alone) or "hybrid" (default: prompt lookup where it matches at least
-        ``lookup_min_match`` tokens, the DSpark drafter otherwise; one scheduled pool; the
-        highest accepted length of the shipped proposers, TRAINING.md).
+        ``lookup_min_match`` tokens and its draft is expected to get more drafts accepted
+        than the drafter's, the DSpark drafter otherwise; one scheduled pool; the highest
+        accepted length of the shipped proposers, TRAINING.md).
     scheduler: verify-length scheduler, "algorithm1" (paper Algorithm 1), "async" (Section 5.2),
         "static" (verify the whole block) or "threshold" (static confidence threshold).
     gamma: draft tokens per round; None = the drafter's trained block size (a smaller gamma
@@ -67,9 +68,10 @@ class EngineConfig:
     max_batch_tokens: most target tokens per step (prefill chunks + verify budget B);
         None = the cost table's ``max_batch_tokens``.
     prefill_chunk: most prompt tokens of one request prefilled in one step.
-    lookup_min_match: hybrid: shortest suffix match that prompt lookup drafts a row with
-        (1: any match; on SmolLM2 even a 1-token match's draft survives longer in
-        expectation than the shipped drafter's, see TRAINING.md).
+    lookup_min_match: hybrid: shortest suffix match that prompt lookup may draft a row with
+        (1: any match; past it, a row is lookup's only where its match's expected accepted
+        drafts exceed the drafter's, both from served outcomes: with the shipped SmolLM2
+        drafter, 1-token matches go to the drafter, see TRAINING.md).
     lookup_calibration: prompt-lookup survival table JSON (``calibration.lookup``); None =
         the table shipped for the target, if any.
     corpus: hybrid: corpus lookup beside prompt lookup (``drafter.corpus_lookup``: drafts from

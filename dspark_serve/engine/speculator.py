@@ -3,8 +3,9 @@
 
 Proposers: the DSpark/DFlash drafter, prompt lookup (``drafter.prompt_lookup``: drafts copied
 from earlier in the request's own text, one-hot draft probabilities), or both (hybrid): per
-request and round, lookup where it finds a suffix match of at least ``min_match`` tokens, the
-drafter otherwise, so the drafter only runs for the rows lookup cannot serve. Every row gets
+request and round, lookup where it finds a suffix match of at least ``min_match`` tokens and
+its draft is expected to survive longer than the drafter's (both learnt from served outcomes),
+the drafter otherwise, so the drafter only runs for the rows lookup cannot serve better. Every row gets
 calibrated conditional survival c_{r,k}: the drafter's from its confidence head through STS,
 c = sigmoid(z_k / T_k), a lookup row's from its match length (``calibration.lookup``: the
 shipped table as a prior that served outcomes keep updating, ``observe``), and the scheduler
@@ -49,18 +50,21 @@ UNCALIBRATED_LOOKUP_SURVIVAL = 0.7
 # Survival of a corpus-lookup draft without a calibration file (a guess near the measured
 # position-1 acceptance of SmolLM2 corpus drafts, 0.2-0.8 by key).
 UNCALIBRATED_CORPUS_SURVIVAL = 0.4
-# Weight of the newest drafted step in the drafter's mean position-1 survival.
-DRAFTER_SURVIVAL_EMA = 0.05
+# Prior conditional survival of the drafter's rows in hybrid, before served outcomes (a guess
+# near the shipped SmolLM2 drafter's measured 0.42-0.6 per position at T = 0).
+DRAFTER_PRIOR_SURVIVAL = 0.5
 
 
 @dataclass(frozen=True)
 class LookupRound:
     """Lookup drafts for the R rows of one step: tokens [R][gamma] (0 past what was found),
+    gain [R] expected accepted drafts of each (0.0: none) under its survival table,
     found [R] tokens found, match_len [R] survival key (0 = no draft): the matched suffix
     length of a prompt-lookup draft, ``support_key`` of a corpus draft; from_corpus [R]
     which rows the corpus drafted."""
 
     tokens: list[list[int]]
+    gain: list[float]
     found: list[int]
     match_len: list[int]
     from_corpus: list[bool]
@@ -71,7 +75,8 @@ class LookupConfig:
     """Prompt lookup inside the speculator.
 
     max_ngram: longest suffix compared. min_match: with a drafter (hybrid), shortest match
-    that lookup takes over a row (shorter: the drafter drafts it); alone, any match drafts.
+    that lookup may take a row with (shorter: the drafter drafts it; longer: the drafter too
+    where its served outcomes expect more accepted drafts); alone, any match drafts.
     calibration: survival table, or None (``UNCALIBRATED_LOOKUP_SURVIVAL`` everywhere).
     corpus: corpus lookup (``drafter.corpus_lookup``) offered beside prompt lookup, or None;
     a row takes whichever of the two drafts has the longer expected accepted length under
@@ -149,9 +154,13 @@ class Speculator:
             self.corpus_survival = OnlineLookupSurvival(
                 calibration.conditional if calibration is not None else
                 [[UNCALIBRATED_CORPUS_SURVIVAL] * gamma] * num_keys(lookup.corpus.max_ngram))
-        # mean calibrated position-1 survival of the drafter's rows (None until it drafts): a
-        # corpus draft predicted to survive less leaves its row to the drafter
-        self._drafter_survival: float | None = None
+        # conditional survival of the drafter's rows in hybrid, from their verified outcomes
+        # (one key): a lookup draft expected to survive less leaves its row to the drafter.
+        # Outcomes, not the confidence head, so that both sides are measured alike at the
+        # served temperatures (STS is fitted at one).
+        self.drafter_survival = (OnlineLookupSurvival([[DRAFTER_PRIOR_SURVIVAL] * gamma])
+                                 if drafter is not None and lookup is not None else None)
+        self._drafter_rows: np.ndarray | None = None    # rows the drafter drafted, last propose
         self._lookup_indexes: dict[int, LookupIndex] = {}   # per slot, its request's text
         # (decoding rows lookup drafted [N], their survival keys [N], from the corpus [N]) of
         # the last propose
@@ -310,15 +319,14 @@ class Speculator:
             survival = self._lookup_confidence(match_len, from_corpus, g)
             if self.drafter is None:
                 by_drafter &= match_len < 1
-            elif self.corpus_survival is None:
-                by_drafter &= match_len < self.lookup.min_match
             else:
-                # lookup keeps its matches of min_match tokens or more; the corpus keeps a row
-                # only once the drafter's own survival is known and lower
-                corpus_wins = (torch.zeros_like(from_corpus) if self._drafter_survival is None
-                               else survival[:, 0] > self._drafter_survival)
-                by_drafter &= ~torch.where(from_corpus, corpus_wins,
-                                           match_len >= self.lookup.min_match)
+                # lookup keeps a row whose draft is expected to get more accepted than the
+                # drafter's; until the drafter's outcomes are known, prompt lookup keeps its
+                # matches of min_match tokens or more, the corpus none
+                drafter_gain = self._drafter_gain()
+                lookup_wins = (~from_corpus if drafter_gain is None else
+                               torch.tensor(found_round.gain, device=device) > drafter_gain)
+                by_drafter &= ~(lookup_wins & (from_corpus | (match_len >= self.lookup.min_match)))
             taken = ~by_drafter
             lookup_caps = torch.minimum(caps, found)     # lookup rows verify the tokens found
             if self.drafter is None or not (drafter_runs if drafter_runs is not None else
@@ -337,12 +345,14 @@ class Speculator:
             self._lookup_rounds = (rows_taken, match_len.cpu().numpy()[rows_taken],
                                    from_corpus.cpu().numpy()[rows_taken])
         rows = by_drafter.nonzero().flatten()
+        self._drafter_rows = (rows.cpu().numpy() if self.drafter_survival is not None
+                              and rows.numel() else None)
         if not rows.numel() and (self.lookup is None or not bool((caps * taken).any())):
             # Nothing to verify (no usable match, drafter off or without context): a plain
             # decode step, without the scheduling and block bookkeeping (~0.3 ms of a CPU
             # step). The scheduler would admit nothing and record no drafter history, so
             # skipping it changes no decision.
-            self._lookup_rounds = None
+            self._lookup_rounds = self._drafter_rows = None
             return None, torch.zeros_like(caps)
         # survival of the rows the drafter does not draft, as the scheduler will see it
         known_confidence = (known_confidence if self.lookup is not None
@@ -383,11 +393,6 @@ class Speculator:
             temps = (self.temperatures if self.temperatures is not None
                      else torch.ones(g, device=device))
             confidence[rows] = calibrated_confidence(block.conf_logits[rows], temps)
-            if self.corpus_survival is not None:    # what a corpus row must beat
-                mean = float(confidence[rows, 0].mean())
-                old = self._drafter_survival
-                self._drafter_survival = mean if old is None else \
-                    old + DRAFTER_SURVIVAL_EMA * (mean - old)
         elif self.drafter is not None and rows.numel():
             confidence[rows] = 1.0      # DFlash: no confidence head
         confidence = confidence * self._allowed(caps)
@@ -402,7 +407,7 @@ class Speculator:
         if not rows.numel() and not bool(lengths.any()):
             # lookup drafts only, none admitted: a plain decode step, as when lookup finds
             # nothing (the verify bookkeeping of an empty round cost ~0.4 ms at one user)
-            self._lookup_rounds = None
+            self._lookup_rounds = self._drafter_rows = None
             return None, lengths
         return block, lengths
 
@@ -447,10 +452,10 @@ class Speculator:
         draft with the longer expected accepted length under the current survival tables.
         Plain Python, so a step where nothing matches costs no tensor work. Raises
         AttributeError without prompt lookup."""
-        rows, found, keys, from_corpus = [], [], [], []
+        rows, gains, found, keys, from_corpus = [], [], [], [], []
         corpus = self.lookup.corpus
+        own_gain = _expected_lengths(self.lookup_survival.table(), self.gamma)
         if corpus is not None:
-            own_gain = _expected_lengths(self.lookup_survival.table(), self.gamma)
             corpus_gain = _expected_lengths(self.corpus_survival.table(), self.gamma)
             corpus_best = max(corpus_gain(key, self.gamma)
                               for key in range(1, self.corpus_survival.table().shape[0] + 1))
@@ -460,16 +465,18 @@ class Speculator:
                 index = self._lookup_indexes[slot] = LookupIndex(self.lookup.max_ngram)
             draft = index.draft(text, self.gamma)
             tokens, key, by_corpus = draft.tokens, draft.match_len, False
-            if corpus is not None and own_gain(key, len(tokens)) < corpus_best:
+            gain = own_gain(key, len(tokens))
+            if corpus is not None and gain < corpus_best:
                 other = corpus.draft(text, self.gamma)
-                if other.tokens and corpus_gain(other.key, len(other.tokens)) > \
-                        own_gain(key, len(tokens)):
-                    tokens, key, by_corpus = other.tokens, other.key, True
+                other_gain = corpus_gain(other.key, len(other.tokens))
+                if other.tokens and other_gain > gain:
+                    tokens, key, by_corpus, gain = other.tokens, other.key, True, other_gain
             rows.append(tokens + [0] * (self.gamma - len(tokens)))
+            gains.append(gain)
             found.append(len(tokens))
             keys.append(key)
             from_corpus.append(by_corpus)
-        return LookupRound(rows, found, keys, from_corpus)
+        return LookupRound(rows, gains, found, keys, from_corpus)
 
     def observe_proposal(self, lengths: torch.Tensor, num_accepted: list[int],
                          seconds: float) -> None:
@@ -481,20 +488,37 @@ class Speculator:
             observe(lengths.numel(), int(lengths.sum()), sum(num_accepted), seconds)
 
     def observe(self, lengths: torch.Tensor, num_accepted: list[int]) -> None:
-        """Count the verified outcome of the last ``propose``'s lookup rows into their
-        survival (``OnlineLookupSurvival``): lengths [R] int64 as verified (after any grammar
-        shortening), num_accepted [R] drafts accepted per row. No-op without prompt lookup."""
-        if self._lookup_rounds is None:
+        """Count the verified outcome of the last ``propose``'s lookup rows, and in hybrid its
+        drafter rows, into their survival (``OnlineLookupSurvival``): lengths [R] int64 as
+        verified (after any grammar shortening), num_accepted [R] drafts accepted per row.
+        No-op without prompt lookup."""
+        lookup_rounds, drafter_rows = self._lookup_rounds, self._drafter_rows
+        self._lookup_rounds = self._drafter_rows = None
+        if lookup_rounds is None and drafter_rows is None:
             return
-        rows, keys, from_corpus = self._lookup_rounds
-        self._lookup_rounds = None
-        verified = lengths.cpu().numpy()[rows]
-        accepted = np.asarray(num_accepted, dtype=np.int64)[rows]
+        lengths, num_accepted = lengths.cpu().numpy(), np.asarray(num_accepted, dtype=np.int64)
+        if drafter_rows is not None:
+            verified = lengths[drafter_rows]
+            keep = verified > 0
+            if keep.any():
+                self.drafter_survival.observe(np.ones(int(keep.sum()), dtype=np.int64),
+                                              verified[keep], num_accepted[drafter_rows][keep])
+        if lookup_rounds is None:
+            return
+        rows, keys, from_corpus = lookup_rounds
+        verified, accepted = lengths[rows], num_accepted[rows]
         for survival, mine in ((self.lookup_survival, ~from_corpus),
                                (self.corpus_survival, from_corpus)):
             keep = mine & (verified > 0)
             if keep.any():
                 survival.observe(keys[keep], verified[keep], accepted[keep])
+
+    def _drafter_gain(self) -> float | None:
+        """Expected accepted drafts of a drafter row in hybrid (its served outcomes' survival
+        over gamma positions), or None before any was verified."""
+        if not self.drafter_survival.reached.any():
+            return None
+        return float(self.drafter_survival.table()[0, :self.gamma].double().cumprod(0).sum())
 
 
 def _pad_block(block: DraftBlock, gamma: int) -> DraftBlock:

@@ -35,6 +35,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--corpus", default=None,
                    help="hybrid: corpus-lookup folder or 'shipped' (as serve --corpus; "
                         "default: off)")
+    p.add_argument("--lookup-min-match", type=int, default=None,
+                   help="hybrid: shortest suffix match prompt lookup drafts a row with (as "
+                        "serve --lookup-min-match; default: as served)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (greedy) or e.g. 1")
     p.add_argument("--gamma", type=int, default=None, help="block size (default: the drafter's)")
     p.add_argument("--benchmarks", default=",".join(BENCHMARKS),
@@ -163,7 +166,9 @@ def evaluate_engine(args: argparse.Namespace, names: list[str]) -> dict:
                                     scheduler="static", gamma=args.gamma, dtype=args.dtype,
                                     max_num_seqs=args.batch_size, seed=args.seed,
                                     draft_vocab_size=args.draft_vocab_size,
-                                    corpus=args.corpus))
+                                    corpus=args.corpus,
+                                    **({} if args.lookup_min_match is None else
+                                       {"lookup_min_match": args.lookup_min_match})))
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens)
     report = {"temperature": args.temperature, "draft": args.draft, "gamma": engine.gamma,
               "benchmarks": {}}

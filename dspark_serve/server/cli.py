@@ -46,8 +46,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="hybrid: corpus lookup beside prompt lookup, from a `dspark-serve corpus` "
                         "folder or 'shipped' (the target's); default: off")
     p.add_argument("--lookup-min-match", type=int, default=_DEFAULTS["lookup_min_match"],
-                   help="hybrid: shortest suffix match prompt lookup drafts with "
-                        "(default: %(default)s)")
+                   help="hybrid: shortest suffix match prompt lookup may draft with; longer "
+                        "matches are lookup's where expected to get more drafts accepted than "
+                        "the drafter (default: %(default)s)")
     p.add_argument("--draft-vocab-size", type=int,
                    help="prune the drafter's draft vocabulary to the N most frequent tokens of "
                         "its token ranking at load; 0 keeps its own (default: 16384 where the "

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 
-import dspark_serve.engine.speculator as speculator_module
 import dspark_serve.verify.target_sampler as target_sampler
 from dspark_serve.drafter.corpus_lookup import CorpusDraft, CorpusIndex
 from dspark_serve.drafter.prompt_lookup import LookupDraft, LookupIndex
@@ -218,7 +217,7 @@ def test_corpus_lookup_sampling_matches_exact(make_engine, generate, prompt_ids,
     """Hybrid with corpus lookup (the shipped corpus): corpus drafts (one-hot, the target's
     top-1 chain after outputs of even length) next to the oracle drafter's rows in one async
     batch; prompt lookup finds nothing, and a corpus draft always beats the drafter (its mean
-    survival pinned at 0)."""
+    expected accepted drafts pinned at 0)."""
     engine = make_engine(speculative="hybrid", scheduler="async", gamma=2, always_draft=True,
                          corpus="shipped", **SIZES)
     assert engine.speculator.lookup.corpus.num_tokens > 100_000
@@ -226,8 +225,7 @@ def test_corpus_lookup_sampling_matches_exact(make_engine, generate, prompt_ids,
     monkeypatch.setattr(CorpusIndex, "draft",
                         lambda index, text, n: CorpusDraft(*astuple(lookup(index, text, n))))
     monkeypatch.setattr(LookupIndex, "draft", lambda index, text, n: LookupDraft([], 0))
-    monkeypatch.setattr(speculator_module, "DRAFTER_SURVIVAL_EMA", 0.0)
-    monkeypatch.setattr(engine.speculator, "_drafter_survival", 0.0)
+    monkeypatch.setattr(engine.speculator, "_drafter_gain", lambda: 0.0)
     # served step times would move the schedule with the host's load (148 corpus rows beside
     # a parallel job, 251 quiet): the test's fixed cost model alone prices the steps
     monkeypatch.setattr(MeasuredStepCost, "observe", lambda self, *args: None)

@@ -104,6 +104,48 @@ def test_hybrid_without_its_drafter_verifies_what_lookup_alone_would():
     assert torch.equal(block.tokens, alone_block.tokens) and block.probs is None
 
 
+def _hybrid(drafter):
+    spec = speculator(drafter)
+    spec.extend(torch.tensor([0] * 5 + [1] * 3 + [2] * 2),
+                torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 0, 1]),
+                torch.randn(10, drafter.config.context_dim))
+    return spec
+
+
+def test_hybrid_counts_its_drafter_rows_outcomes():
+    """Rows 1 and 2 (the drafter's) accept 2 and 1 of 3: drafter survival counts reached [2,
+    2, 1], accepted [2, 1, 0]; row 0 (lookup, match 2) counts into lookup's table only."""
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    spec = _hybrid(drafter)
+    _, lengths = propose(spec, uniforms_cols=drafter.gamma)
+    assert spec._drafter_gain() is None
+    spec.observe(lengths, [0, 2, 1])
+    assert spec.drafter_survival.reached.tolist() == [[2, 2, 1]]
+    assert spec.drafter_survival.accepted.tolist() == [[2, 1, 0]]
+    assert spec.lookup_survival.reached.tolist() == [[0, 0, 0], [1, 0, 0]]
+    table = spec.drafter_survival.table()[0].double()
+    assert spec._drafter_gain() == pytest.approx(float(table.cumprod(0).sum()))
+
+
+@pytest.mark.parametrize("drafter_accepts, row0_by", [(3, "drafter"), (0, "lookup")])
+def test_hybrid_leaves_a_match_to_the_drafter_expected_to_get_more_accepted(
+        monkeypatch, drafter_accepts, row0_by):
+    """Row 0's match of 2 tokens expects 0.9 + 0.72 + 0.504 = 2.124 accepted drafts. After 200
+    verified drafter rounds that accepted all 3 drafts (expected ~3), the drafter drafts row 0
+    too; after 200 that accepted none (~0), lookup keeps it."""
+    drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
+    spec = _hybrid(drafter)
+    assert spec.lookup_drafts([0, 1, 2], TEXTS).gain == pytest.approx([2.124, 0.0, 0.875])
+    spec.drafter_survival.observe([1] * 200, [3] * 200, [drafter_accepts] * 200)
+    seen = []
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda cache, slots, *a: seen.append(slots.tolist())
+                        or draft(cache, slots, *a))
+    block, _ = propose(spec, uniforms_cols=drafter.gamma)
+    assert seen == ([[0, 1, 2]] if row0_by == "drafter" else [[1, 2]])
+    assert (block.tokens[0].tolist() == [3, 9, 1]) == (row0_by == "lookup")
+
+
 def _cached_context(spec, slots):
     lengths = spec.cache.lengths[slots]
     return lengths.tolist(), [c[i, :n] for c in spec.cache.context(0, slots, int(lengths.max()))
@@ -298,8 +340,9 @@ def test_corpus_outcomes_update_the_corpus_survival_only():
 def test_hybrid_gives_a_corpus_row_to_the_drafter_until_it_is_known_to_survive_less(
         monkeypatch):
     """First draft: rows 1 and 2 (corpus candidates) are the drafter's, whose survival is not
-    known yet; then row 2's corpus draft (survival 1.0) beats the drafter's mean, row 1's
-    (0.0) does not."""
+    known yet; once its rows' outcomes are (one accepted of three each: ~0.7 expected), row 2's
+    corpus draft (survival 1.0: 2 expected over its 2 drafts) beats it, row 1's (0.0) does
+    not."""
     drafter = tiny_drafter(tiny_config(block_size=3), seed=2)
     spec = corpus_speculator(drafter, key2=0.0, key8=1.0, scheduler="static")
     spec.extend(torch.tensor([0] * 5 + [1] * 3 + [2] * 2),
@@ -309,7 +352,9 @@ def test_hybrid_gives_a_corpus_row_to_the_drafter_until_it_is_known_to_survive_l
     draft = drafter.draft
     monkeypatch.setattr(drafter, "draft", lambda cache, slots, *a: seen.append(slots.tolist())
                         or draft(cache, slots, *a))
-    propose(spec, uniforms_cols=drafter.gamma)
-    assert seen == [[1, 2]] and 0 < spec._drafter_survival < 1
+    _, lengths = propose(spec, uniforms_cols=drafter.gamma)
+    assert seen == [[1, 2]]
+    spec.observe(lengths, [3, 1, 1])
+    assert 0 < spec._drafter_gain() < 2
     block, _ = propose(spec, uniforms_cols=drafter.gamma)
     assert seen == [[1, 2], [1]] and block.tokens[2].tolist() == [30, 31, 0]

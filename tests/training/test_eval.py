@@ -204,7 +204,7 @@ def test_lookup_calibrate_and_engine_eval_commands(tmp_path, capsys):
                                  temperature=0.0, gamma=None, benchmarks="mtbench", limit=2,
                                  max_new_tokens=24, batch_size=2, calibration=None,
                                  dtype="bfloat16", seed=0, json=True, plots=None,
-                                 draft_vocab_size=None, corpus=None)
+                                 draft_vocab_size=None, corpus=None, lookup_min_match=None)
     capsys.readouterr()
     assert eval_cli.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
