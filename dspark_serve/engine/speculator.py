@@ -4,12 +4,12 @@
 Proposers: the DSpark/DFlash drafter, prompt lookup (``drafter.prompt_lookup``: drafts copied
 from earlier in the request's own text, one-hot draft probabilities), or both (hybrid): per
 request and round, lookup where it finds a suffix match of at least ``min_match`` tokens and
-its draft is expected to survive longer than the drafter's (both learnt from served outcomes),
-the drafter otherwise, so the drafter only runs for the rows lookup cannot serve better. Every row gets
-calibrated conditional survival c_{r,k}: the drafter's from its confidence head through STS,
-c = sigmoid(z_k / T_k), a lookup row's from its match length (``calibration.lookup``: the
-shipped table as a prior that served outcomes keep updating, ``observe``), and the scheduler
-picks l_r over the one pool.
+its draft is expected to get more drafts accepted than the drafter's (both learnt from served
+outcomes), the drafter otherwise, so the drafter only runs for the rows lookup cannot serve
+better. Every row gets calibrated conditional survival c_{r,k}: the drafter's from its
+confidence head through STS, c = sigmoid(z_k / T_k), a lookup row's from its match length
+(``calibration.lookup``: the shipped table as a prior that served outcomes keep updating,
+``observe``), and the scheduler picks l_r over the one pool.
 
 The speculator owns the drafter's context cache (one slot per target KV slot). Committed
 tokens' target taps are projected into that cache lazily, in one batch right before the next
