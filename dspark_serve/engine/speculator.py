@@ -161,6 +161,7 @@ class Speculator:
         self.drafter_survival = (OnlineLookupSurvival([[DRAFTER_PRIOR_SURVIVAL] * gamma])
                                  if drafter is not None and lookup is not None else None)
         self._drafter_rows: np.ndarray | None = None    # rows the drafter drafted, last propose
+        self._drafter_expected: float | None = None     # ``_drafter_gain``, until observe
         self._lookup_indexes: dict[int, LookupIndex] = {}   # per slot, its request's text
         # (decoding rows lookup drafted [N], their survival keys [N], from the corpus [N]) of
         # the last propose
@@ -503,6 +504,7 @@ class Speculator:
             if keep.any():
                 self.drafter_survival.observe(np.ones(int(keep.sum()), dtype=np.int64),
                                               verified[keep], num_accepted[drafter_rows][keep])
+                self._drafter_expected = None
         if lookup_rounds is None:
             return
         rows, keys, from_corpus = lookup_rounds
@@ -515,10 +517,12 @@ class Speculator:
 
     def _drafter_gain(self) -> float | None:
         """Expected accepted drafts of a drafter row in hybrid (its served outcomes' survival
-        over gamma positions), or None before any was verified."""
-        if not self.drafter_survival.reached.any():
-            return None
-        return float(self.drafter_survival.table()[0, :self.gamma].double().cumprod(0).sum())
+        over gamma positions), or None before any was verified. Cached until ``observe``
+        (asked every step)."""
+        if self._drafter_expected is None and self.drafter_survival.reached.any():
+            self._drafter_expected = _expected_lengths(self.drafter_survival.table(),
+                                                       self.gamma)(1, self.gamma)
+        return self._drafter_expected
 
 
 def _pad_block(block: DraftBlock, gamma: int) -> DraftBlock:
