@@ -31,9 +31,21 @@ MARKOV_RANK = 64
 NUM_TAPS = 5
 # Prompt lookup alone drafts as many tokens per round as the default drafter's block.
 LOOKUP_GAMMA = BLOCK_SIZE
-# Draft vocabulary the engine prunes a shipped drafter to (96 % coverage of SmolLM2's outputs;
-# the LM-head product and the Markov sampling cost a third of the full vocabulary's).
-DRAFT_VOCAB_SIZE = 16384
+# Draft vocabulary the engine prunes a shipped drafter to (91 % coverage of SmolLM2's outputs).
+# The tokens past the first 8k are rarely drafted and more rarely accepted: served tau (int4,
+# static scheduler, 80 MT-Bench / 164 HumanEval / 200 AlpacaEval prompts, 192 tokens; session
+# 36) at 16k / 8k / 4k / 2k was 1.708 / 1.707 / 1.702 / 1.689 macro at T = 0, 1.242 / 1.244 at
+# T = 1 (16k / 8k), while one request's draft after a verify step took 1.88 / 1.63 / 1.51 ms
+# (3 positions; AMD EPYC, one thread).
+DRAFT_VOCAB_SIZE = 8192
+# The drafter's linears (draft layers, context projection, pruned LM head) under an int4 target:
+# a draft reads its weights from memory after the target's step has evicted them, so bytes
+# decide. 4-bit against 8-bit (session 36, AMD EPYC, one thread, after a 2-token verify step):
+# one request's context update and draft of 1 / 3 / 7 positions 2.32 / 2.43 / 3.05 -> 1.80 /
+# 1.95 / 2.52 ms; served tau (static scheduler, greedy, 80 MT-Bench / 164 HumanEval / 200
+# AlpacaEval prompts, 192 tokens) 1.712 -> 1.708 macro. The Markov W2 stays 8-bit
+# (markov_head.compile_draw: 1 MB).
+DRAFTER_WEIGHT_BITS = 4
 # The shipped DSpark drafter feeds its anchor slot the context state (``anchor_context``),
 # which SGLang's DSpark model cannot; SGLang serves the earlier drafter kept in this folder.
 SGLANG_DRAFTER_KIND = "dspark-sglang"
@@ -148,8 +160,9 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
     """Load the drafter at ``path`` onto the target's embedding and LM head, or build an
     untrained one of ``config`` (seeded, with a warning) when ``path`` is None, for inference:
     weights take the target's dtype and device, the LM head is the target's serving head and
-    the linears are packed where that is faster (``pack_linears``), or 8-bit through our
-    kernel for an int4 target that uses it (``quantize_linears``); no gradients.
+    the linears are packed where that is faster (``pack_linears``), or quantized to
+    ``DRAFTER_WEIGHT_BITS`` bits through our kernel for an int4 target that uses it
+    (``quantize_linears``); no gradients.
 
     Args:
         target: ``dspark_serve.model.target_model.TargetModel``.
@@ -171,15 +184,15 @@ def build_drafter(target, path: str | None, config: DSparkConfig, *, seed: int =
             drafter = DSparkDrafter(config, target.embed_tokens, target.head_logits)
         drafter = drafter.to(device=target.device, dtype=target.dtype)
     drafter.eval().requires_grad_(False)
-    # an int4 target on our kernel: the drafter's linears 8-bit through it (a draft reads ~2x
-    # fewer weight bytes); else oneDNN-packed bfloat16
-    prepare = quantize_linears if isinstance(target.weights.head, QuantizedLinear) else pack_linears
+    # an int4 target on our kernel: the drafter's linears 4-bit through it; else oneDNN-packed
+    # bfloat16
+    quantized = isinstance(target.weights.head, QuantizedLinear)
     modules = [drafter] + ([drafter.shared_modules[1]] if drafter.draft_vocab is not None else [])
     for module in modules:
-        if not prepare(module):
+        if not (quantized and quantize_linears(module, DRAFTER_WEIGHT_BITS)):
             pack_linears(module)
-    if prepare is quantize_linears:   # the layers and the Markov draw as compiled calls
-        drafter.backbone.compile_layers()
+    if quantized:   # the layers and the Markov draw as compiled calls
+        drafter.backbone.compile_layers(DRAFTER_WEIGHT_BITS)
         if drafter.markov_head is not None:
             drafter.markov_head.compile_draw()
     return drafter

@@ -3,7 +3,7 @@ target decode step it rides on (issue 16's budget: a draft <= 15 % of that step)
 
 For R requests (``--requests``), each holding ``--context`` cached context positions, the
 shipped drafter and target are loaded as the engine serves them (``build_engine``: same
-quantization, pruned draft vocabulary, 8-bit drafter linears under an int4 target) and timed:
+quantization, pruned draft vocabulary, 4-bit drafter linears under an int4 target) and timed:
 
 - draft: ``DSparkDrafter.draft`` for the R blocks (greedy rows, as in the benchmarks), of
   ``--widths`` draft positions (default gamma; the async scheduler drafts K + 1 of them),

@@ -37,7 +37,7 @@ class DFlashBackbone(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # (kernel module, per-layer 8-bit weights, context weights or None, RoPE inverse
+        # (kernel module, per-layer quantized weights, context weights or None, RoPE inverse
         # frequencies [Dh / 2]) once ``compile_layers`` succeeded
         self._compiled: tuple[object, list[dict], dict | None, torch.Tensor] | None = None
 
@@ -46,12 +46,12 @@ class DFlashBackbone(nn.Module):
         """Whether ``compiled_forward`` is set up (``compile_layers``)."""
         return self._compiled is not None
 
-    def compile_layers(self) -> bool:
+    def compile_layers(self, bits: int = 8) -> bool:
         """Run the draft layers as one compiled call each (``ops.cpu`` ``draft_layer``) and the
         context projection as one more (``draft_context``: fc, hidden_norm and every layer's
-        context keys and values), with 8-bit copies of the projections (q/k/v, k/v and
-        gate/up fused), for inference on a CPU with the quantized-linear kernel (the drafter
-        of an int4 target: ``build_drafter``).
+        context keys and values), with ``bits``-bit (4 or 8) copies of the projections (q/k/v,
+        k/v and gate/up fused), for inference on a CPU with the quantized-linear kernel (the
+        drafter of an int4 target: ``build_drafter``).
         The modules keep their parameters; later changes to them are not seen. Returns False
         (nothing changes) without the kernel, off the CPU, or for shapes it does not take
         (head_dim 64 or 128, at most 16 query heads per KV head, bfloat16 weights)."""
@@ -62,17 +62,18 @@ class DFlashBackbone(nn.Module):
                 or cfg.num_attention_heads // cfg.num_key_value_heads > 16):
             return False
 
-        def q8(*linears: nn.Linear) -> tuple:
+        def quantized(*linears: nn.Linear) -> tuple:
             weight = torch.cat([lin.weight.detach() for lin in linears])
-            return quantize_weight(weight, 8).kernel_args
+            return quantize_weight(weight, bits).kernel_args
 
         def bias(*linears: nn.Linear) -> torch.Tensor | None:
             if linears[0].bias is None:
                 return None
             return torch.cat([lin.bias.detach() for lin in linears]).to(torch.bfloat16)
 
-        context = dict(fc=q8(self.fc), hidden_norm=self.hidden_norm.weight.detach().contiguous(),
-                       kv=[q8(layer.self_attn.k_proj, layer.self_attn.v_proj)
+        context = dict(fc=quantized(self.fc),
+                       hidden_norm=self.hidden_norm.weight.detach().contiguous(),
+                       kv=[quantized(layer.self_attn.k_proj, layer.self_attn.v_proj)
                            for layer in self.layers],
                        k_norms=[layer.self_attn.k_norm.weight.detach().contiguous()
                                 for layer in self.layers])
@@ -82,10 +83,10 @@ class DFlashBackbone(nn.Module):
             layers.append(dict(
                 input_norm=layer.input_layernorm.weight.detach().contiguous(),
                 post_norm=layer.post_attention_layernorm.weight.detach().contiguous(),
-                qkv=q8(attn.q_proj, attn.k_proj, attn.v_proj),
+                qkv=quantized(attn.q_proj, attn.k_proj, attn.v_proj),
                 qkv_bias=bias(attn.q_proj, attn.k_proj, attn.v_proj),
-                o_proj=q8(attn.o_proj), o_bias=bias(attn.o_proj),
-                gate_up=q8(mlp.gate_proj, mlp.up_proj), down=q8(mlp.down_proj),
+                o_proj=quantized(attn.o_proj), o_bias=bias(attn.o_proj),
+                gate_up=quantized(mlp.gate_proj, mlp.up_proj), down=quantized(mlp.down_proj),
                 q_norm=attn.q_norm.weight.detach().contiguous(),
                 k_norm=attn.k_norm.weight.detach().contiguous()))
         if cfg.attention_bias:   # the context kernel takes no biases
@@ -117,7 +118,7 @@ class DFlashBackbone(nn.Module):
     def compiled_context(self, target_hidden: torch.Tensor, positions: torch.Tensor
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``context_state`` and ``context_kv`` in one compiled call (``compile_layers``;
-        8-bit projections, float32 inside): (h_ctx [N, d], k, v [num_layers, N, Hkv, Dh]),
+        quantized projections, float32 inside): (h_ctx [N, d], k, v [num_layers, N, Hkv, Dh]),
         bfloat16; None when not compiled (or the layers have biases).
 
         Raises:
@@ -195,7 +196,7 @@ class DFlashBackbone(nn.Module):
         """``forward`` through the compiled layers (``compile_layers``), reading the context
         K/V straight from the cache's pages: block r sees the first ctx_lens[r] context
         positions of slot slots[r] and its own block. Same numbers as ``forward`` up to the
-        8-bit projections and float32 (not bfloat16) arithmetic inside a layer.
+        quantized projections and float32 (not bfloat16) arithmetic inside a layer.
 
         Args:
             block_embeds: [R, G, d]; block_positions: [R, G] int64.

@@ -82,9 +82,9 @@ class EngineConfig:
         without it, README).
     draft_vocab_size: prune the drafter's draft vocabulary to the N most frequent target
         tokens of its folder's token ranking while loading (FR-Spec; lossless: draft
-        probability 0 outside): None = 16384 where the drafter ships a ranking (the shipped
-        DSpark drafter does; drafts ~2x cheaper on a CPU), else its own vocabulary; 0 = its
-        own vocabulary.
+        probability 0 outside): None = ``DRAFT_VOCAB_SIZE`` (8192) where the drafter ships a
+        ranking (the shipped DSpark drafter does; drafts ~2x cheaper on a CPU), else its own
+        vocabulary; 0 = its own vocabulary.
     mask_drafts: for grammar-constrained requests, restrict each draft distribution to the
         tokens the grammar allows (redrawing forbidden drafts) before verification; False
         verifies the drafter's block as drafted (forbidden drafts are then rejected). Both

@@ -51,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "the drafter (default: %(default)s)")
     p.add_argument("--draft-vocab-size", type=int,
                    help="prune the drafter's draft vocabulary to the N most frequent tokens of "
-                        "its token ranking at load; 0 keeps its own (default: 16384 where the "
+                        "its token ranking at load; 0 keeps its own (default: 8192 where the "
                         "drafter ships a ranking, as the default DSpark drafter does)")
     p.add_argument("--max-model-len", type=int, default=_DEFAULTS["max_model_len"],
                    help="context limit per request in tokens (default: the model's "

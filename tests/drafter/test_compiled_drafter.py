@@ -1,6 +1,6 @@
 """The drafter's compiled CPU path (an int4 target's drafter): ``compile_layers`` (the draft
 layers as one ``draft_layer`` call each) against the float64 masked-attention reference on the
-same 8-bit weight grid, and ``compile_draw`` (the Markov draw as one ``markov_draw`` call):
+same 4-bit or 8-bit weight grid, and ``compile_draw`` (the Markov draw as one ``markov_draw`` call):
 each token is the inverse-CDF pick of the distribution returned for it, that distribution is
 softmax((U + W2 W1[x_{k-1}]) / T), greedy rows take its argmax, and draws over many uniforms
 follow it (chi-square)."""
@@ -22,30 +22,33 @@ SIZES = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head
              block_size=5)
 
 
-def compiled_drafter(tiny_config, tiny_drafter, seed=0, **extra):
-    """(bfloat16 drafter with compiled layers and draw, its config): every linear of the
-    backbone and W2 already on the 8-bit grid, so the float64 reference sees the same weights."""
+def compiled_drafter(tiny_config, tiny_drafter, seed=0, bits=8, grid=None, **extra):
+    """(bfloat16 drafter with compiled layers of ``bits``-bit weights and the draw, its config):
+    every linear of the backbone already on the ``grid``-bit grid (default: ``bits``) and W2 on
+    the 8-bit one, so the float64 reference sees the weights the kernel multiplies by."""
     cfg = tiny_config(**{**SIZES, **extra})
     drafter = tiny_drafter(cfg, seed=seed)
     with torch.no_grad():
         for name, module in drafter.named_modules():
-            if isinstance(module, torch.nn.Linear) and (
-                    ".layers." in name or name in ("backbone.fc", "markov_head.markov_w2")):
-                module.weight.copy_(dequantize_weight(quantize_weight(module.weight, 8)))
+            if isinstance(module, torch.nn.Linear) and (".layers." in name or name == "backbone.fc"):
+                module.weight.copy_(dequantize_weight(quantize_weight(module.weight, grid or bits)))
+        w2 = drafter.markov_head.markov_w2.weight
+        w2.copy_(dequantize_weight(quantize_weight(w2, 8)))
     drafter = drafter.to(torch.bfloat16).requires_grad_(False)
     for module in drafter.shared_modules:   # the target's embedding and LM head
         module.to(torch.bfloat16)
-    assert drafter.backbone.compile_layers() and drafter.markov_head.compile_draw()
+    assert drafter.backbone.compile_layers(bits) and drafter.markov_head.compile_draw()
     return drafter, cfg
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 def test_compiled_layers_match_the_masked_attention_reference(tiny_config, tiny_drafter,
-                                                              reference_block_hidden):
+                                                              reference_block_hidden, bits):
     """Three slots with different context lengths (positions past an anchor are cached but
     must stay invisible; the block is bidirectional): within 5 % of the float64 reference
     (int8 activations, bfloat16 context; measured 2.4-3.2 %), while a causal block (> 10 %)
     or one context position too many (> twice the error) moves the reference further."""
-    drafter, cfg = compiled_drafter(tiny_config, tiny_drafter)
+    drafter, cfg = compiled_drafter(tiny_config, tiny_drafter, bits=bits)
     gen = torch.Generator().manual_seed(1)
     lengths = {0: 40, 1: 3, 2: 70}
     taps = {s: torch.randn(n, cfg.context_dim, generator=gen) for s, n in lengths.items()}
@@ -73,6 +76,24 @@ def test_compiled_layers_match_the_masked_attention_reference(tiny_config, tiny_
             assert rel(leaky) > 2 * rel(full[row])
 
 
+def test_compiled_layers_take_the_requested_weight_bits(tiny_config, tiny_drafter,
+                                                       reference_block_hidden):
+    """Weights on the 8-bit grid compiled at 4 bits are requantized (a second rounding the
+    reference does not see): more than twice as far from it as the same weights at 8 bits."""
+    errors = {}
+    for bits in (8, 4):
+        drafter, cfg = compiled_drafter(tiny_config, tiny_drafter, seed=3, bits=bits, grid=8)
+        taps = torch.randn(20, cfg.context_dim, generator=torch.Generator().manual_seed(2))
+        cache = drafter.new_cache(1, 32)
+        drafter.extend_context(cache, torch.zeros(20, dtype=torch.long), torch.arange(20),
+                               taps.to(torch.bfloat16))
+        hidden, _ = drafter.block_forward(cache, torch.tensor([0]), torch.tensor([9]),
+                                          torch.tensor([20]))
+        ref = reference_block_hidden(drafter, taps.to(torch.bfloat16), 9, 20)[cfg.label_offset:]
+        errors[bits] = float((hidden[0].double() - ref).norm() / ref.norm())
+    assert errors[8] < 0.05 and errors[4] > 2 * errors[8], errors
+
+
 def test_compiled_short_draft_matches_the_reference_of_a_short_block(tiny_config, tiny_drafter,
                                                                      reference_block_hidden):
     """num_drafts = 2 through the compiled layers: within 5 % of the float64 reference of the
@@ -92,11 +113,13 @@ def test_compiled_short_draft_matches_the_reference_of_a_short_block(tiny_config
     assert hidden.shape[1] == 2 and rel(hidden[0]) < 0.05 and rel(full[0, :2]) > 0.1
 
 
-def test_compiled_context_matches_the_python_projection(tiny_config, tiny_drafter):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compiled_context_matches_the_python_projection(tiny_config, tiny_drafter, bits):
     """h_ctx and every layer's context keys / values from one ``draft_context`` call: within
-    2 % of the float32 modules on the same 8-bit grid (fc included), and extend_context
+    2 % of the float32 modules on the same weight grid (fc included), and extend_context
     stores them."""
-    drafter, cfg = compiled_drafter(tiny_config, tiny_drafter, seed=8, anchor_context=True)
+    drafter, cfg = compiled_drafter(tiny_config, tiny_drafter, seed=8, bits=bits,
+                                    anchor_context=True)
     taps = torch.randn(9, cfg.context_dim, generator=torch.Generator().manual_seed(9))
     positions = torch.arange(9)
     h, k, v = drafter.backbone.compiled_context(taps, positions)
