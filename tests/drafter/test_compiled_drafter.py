@@ -1,9 +1,9 @@
 """The drafter's compiled CPU path (an int4 target's drafter): ``compile_layers`` (the draft
 layers as one ``draft_layer`` call each) against the float64 masked-attention reference on the
-same 4-bit or 8-bit weight grid, and ``compile_draw`` (the Markov draw as one ``markov_draw`` call):
-each token is the inverse-CDF pick of the distribution returned for it, that distribution is
-softmax((U + W2 W1[x_{k-1}]) / T), greedy rows take its argmax, and draws over many uniforms
-follow it (chi-square)."""
+same 4-bit or 8-bit weight grid, and ``compile_draw`` (the Markov draw as one ``markov_draw``
+call): each token is the inverse-CDF pick of the distribution returned for it, that
+distribution is softmax((U + W2 W1[x_{k-1}]) / T), greedy rows take its argmax, and draws over
+many uniforms follow it (chi-square)."""
 import pytest
 import torch
 from scipy import stats
@@ -30,7 +30,8 @@ def compiled_drafter(tiny_config, tiny_drafter, seed=0, bits=8, grid=None, **ext
     drafter = tiny_drafter(cfg, seed=seed)
     with torch.no_grad():
         for name, module in drafter.named_modules():
-            if isinstance(module, torch.nn.Linear) and (".layers." in name or name == "backbone.fc"):
+            if isinstance(module, torch.nn.Linear) and (".layers." in name
+                                                        or name == "backbone.fc"):
                 module.weight.copy_(dequantize_weight(quantize_weight(module.weight, grid or bits)))
         w2 = drafter.markov_head.markov_w2.weight
         w2.copy_(dequantize_weight(quantize_weight(w2, 8)))
