@@ -86,7 +86,7 @@ setup(
     # the shipped drafters (safetensors + config + STS calibration) travel inside the wheel
     package_data={"dspark_serve.assets.drafters": ["*/*/*"],
                   # the CPU kernel source, compiled on first use (dspark_serve/ops/quantized_linear.py)
-                  "dspark_serve.ops": ["cpu/*.cpp"]},
+                  "dspark_serve.ops": ["cpu/*.cpp", "cpu/*.h", "cpu/*.inc"]},
     install_requires=[
         "torch>=2.9",
         "numpy",

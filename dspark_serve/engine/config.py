@@ -56,7 +56,7 @@ class EngineConfig:
     quantization: "none" (default: weights in ``dtype``) or "int4": the target's decoder-layer
         projections as 4-bit weights with a scale and zero per 32 (GGUF Q4_1's layout; the
         default model's layers *are* Q4_1, so this serves their own 4-bit grid). On CPUs with
-        AVX512-VNNI our kernel runs them with int8 activations and an 8-bit LM head, and each
+        AVX512-VNNI or AVX2 our kernel runs them with int8 activations and an 8-bit LM head, and each
         decoder layer as one compiled call (``ops.quantized_linear``; llama.cpp's arithmetic,
         ~4x faster decoding than bfloat16); elsewhere torch's int4 kernel with bfloat16
         activations and head (``model.linear.Int4Linear``). Needs dtype "bfloat16".

@@ -205,7 +205,7 @@ class Int4Linear:
 
 
 class QuantizedLinear:
-    """``y = x @ W.T + bias`` through our AVX512-VNNI kernel
+    """``y = x @ W.T + bias`` through our CPU kernel (AVX512-VNNI or AVX2)
     (``dspark_serve.ops.quantized_linear``): W in groups of 32 weights, 4-bit on the GGUF
     Q4_1 grid or 8-bit on the Q8_0 grid, float16 scales; activations quantized to int8 per
     group of 32 (llama.cpp's arithmetic for these files). Faster than ``Int4Linear`` at every
@@ -227,7 +227,8 @@ class QuantizedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bits: int = 4):
         self.kernel = cpu_kernel()
         if self.kernel is None:
-            raise ValueError("QuantizedLinear needs the AVX512-VNNI kernel (ops.quantized_linear)")
+            raise ValueError("QuantizedLinear needs the CPU kernel (ops.quantized_linear: "
+                             "AVX512-VNNI or AVX2 + FMA + F16C)")
         self.quantized = quantize_weight(weight, bits)
         self.bias = bias
 
@@ -244,7 +245,7 @@ class QuantizedLinear:
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
                 quantization: str = "none") -> Linear | Int4Linear | QuantizedLinear:
     """The target's projection layer: ``Linear`` ("none"), or for "int4" ``QuantizedLinear``
-    where its kernel runs (AVX512-VNNI) and ``Int4Linear`` elsewhere.
+    where its kernel runs (AVX512-VNNI or AVX2) and ``Int4Linear`` elsewhere.
     Raises ValueError for another quantization name (and as the layers do)."""
     if quantization == "none":
         return Linear(weight, bias)

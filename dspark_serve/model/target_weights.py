@@ -126,7 +126,7 @@ def load_weights(hf_model, device: torch.device | str | None = None,
     """Copy the weights of a transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` /
     ``Qwen3ForCausalLM`` (in its dtype) onto ``device`` (None = where they are); with
     ``quantization="int4"`` the decoder layers' projections become 4-bit (``make_linear``:
-    our AVX512-VNNI ``QuantizedLinear`` where it runs, torch's ``Int4Linear`` elsewhere) and,
+    our ``QuantizedLinear`` where its kernel runs, torch's ``Int4Linear`` elsewhere) and,
     with our kernel, the LM head 8-bit (``make_head``). The embedding and norms stay in the
     model dtype, the head never goes below 8 bits: GGUF files keep those at higher precision
     too (the default model's embedding, tied to its head, is Q8_0), and 4-bit logits would

@@ -1,8 +1,11 @@
 """Quantized linear layers for CPU decode: 4-bit (GGUF Q4_1 grid) or 8-bit (Q8_0 grid) weights
 in groups of 32 times activations quantized to int8 per group of 32, the arithmetic llama.cpp
-uses for these files. The kernel (``cpu/quantized_linear.cpp``, AVX512-VNNI integer dot
-products) is compiled on first use with torch's C++ extension loader (~40 s once, cached under
-``TORCH_EXTENSIONS_DIR``); ``quantized_linear_reference`` is its PyTorch reference.
+uses for these files. The kernel (``cpu/quantized_linear.cpp``: integer dot products by
+AVX512-VNNI, or on CPUs with AVX2, FMA and F16C only by the same code over 256-bit halves, the
+module's ``isa()``) is compiled on first use with torch's C++ extension loader (~70 s once,
+cached under ``TORCH_EXTENSIONS_DIR``); ``quantized_linear_reference`` is its PyTorch reference.
+On an AVX2-only AMD EPYC (2026-12-07) it made one int4 decode step 8x faster than torch's int4
+kernel with float64 attention (85.6 -> 10.4 ms, SmolLM2-135M, one thread).
 
 Why a kernel of our own: torch's int4 CPU kernel converts weights to floating point for every 4
 rows, so verifying an 8-token block costs 3x one token (measured on a 2-core AMD EPYC, all
@@ -139,9 +142,9 @@ def quantized_linear_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Te
 
 @functools.lru_cache(maxsize=None)
 def cpu_kernel():
-    """The compiled kernel module, or None where it cannot run: a CPU without AVX512-VNNI, no
-    C++ compiler or ninja, or ``DSPARK_CPU_KERNELS=0``. A failed build is reported once (a
-    RuntimeWarning) and callers fall back to torch's kernels."""
+    """The compiled kernel module, or None where it cannot run: a CPU with neither AVX512-VNNI
+    nor AVX2 + FMA + F16C, no C++ compiler or ninja, or ``DSPARK_CPU_KERNELS=0``. A failed build
+    is reported once (a RuntimeWarning) and callers fall back to torch's kernels."""
     if os.environ.get("DSPARK_CPU_KERNELS", "1") == "0":
         return None
     # torch warns at import that no CUDA runtime exists, which is irrelevant to a CPU build

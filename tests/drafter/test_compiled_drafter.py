@@ -12,8 +12,8 @@ from dspark_serve.drafter.block_sampler import sample_block
 from dspark_serve.ops.quantized_linear import cpu_kernel, dequantize_weight, quantize_weight
 from dspark_serve.types import SamplingTensors
 
-pytestmark = pytest.mark.skipif(cpu_kernel() is None,
-                                reason="no AVX512-VNNI CPU or no C++ toolchain for the kernel")
+pytestmark = pytest.mark.skipif(
+    cpu_kernel() is None, reason="no AVX512-VNNI or AVX2 CPU, or no C++ toolchain for the kernel")
 
 # Shapes the kernel takes: head_dim 64, hidden and intermediate sizes multiples of 32, Markov
 # rank a multiple of 32, vocabulary a multiple of 16.

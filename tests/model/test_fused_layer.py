@@ -11,8 +11,8 @@ from dspark_serve.ops.quantized_linear import cpu_kernel
 from tests.model.test_target_model import (assert_logits_do_not_depend_on_batching, hf_logits,
                                            page_layout_runs)
 
-pytestmark = pytest.mark.skipif(cpu_kernel() is None,
-                                reason="no AVX512-VNNI CPU or no C++ toolchain for the kernel")
+pytestmark = pytest.mark.skipif(
+    cpu_kernel() is None, reason="no AVX512-VNNI or AVX2 CPU, or no C++ toolchain for the kernel")
 
 FUSABLE = dict(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -210,7 +210,7 @@ def test_int4_rejects_shapes_the_kernel_cannot_take(shape):
 
 
 def test_int4_layers_use_our_kernel_where_it_runs():
-    """"int4" projections are ``QuantizedLinear`` (AVX512-VNNI) where the kernel runs, torch's
+    """"int4" projections are ``QuantizedLinear`` (AVX512-VNNI or AVX2) where the kernel runs, torch's
     ``Int4Linear`` elsewhere; the LM head is 8-bit only with our kernel."""
     weight, bias = torch.randn(64, 128) * 0.05, torch.randn(64).bfloat16()
     layer, head = make_linear(weight, bias, "int4"), make_head(weight, "int4")

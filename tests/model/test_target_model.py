@@ -1,5 +1,6 @@
 """The flat-token target runner against transformers' own forward, on tiny random Llama / Qwen2
 / Qwen3 models (fast) and on the default SmolLM2-135M-Instruct (slow)."""
+import copy
 import types
 
 import pytest
@@ -355,9 +356,14 @@ def test_default_model_float32_matches_transformers(default_model, one_thread):
 @pytest.mark.slow
 def test_default_model_bfloat16_invariant_and_close(default_model, one_thread):
     """bfloat16: logits bit-identical between mixed decoding and one verify-style forward;
-    against the float32 reference within loose bounds (measured on these sequences: top-1
-    agreement 97-99 %, mean |diff| 0.16-0.17; transformers' own bfloat16 is as far off)."""
+    against the float32 reference no farther than transformers' own bfloat16 on this CPU
+    (whose bfloat16 rounding depends on the CPU): top-1 agreement >= 0.95 or within 0.02 of
+    its (and >= 0.9), mean |diff| < 0.3. Measured on these sequences, ours / its:
+    top-1 97-99 % / 97 % and mean |diff| 0.16-0.17 on AVX512-BF16 hosts; on an AVX2-only AMD
+    EPYC 100 / 98.6 / 92.9 % against 97.1 / 97.3 / 91.4 %, |diff| 0.14 / 0.14 / 0.15 against
+    0.17 / 0.18 / 0.16."""
     path, hf, prompts = default_model
+    hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
     model = TargetModel.from_pretrained(path, dtype="bfloat16")
     outs, logits, _ = plain_decode(model, prompts, 32, chunk=16, num_slots=2)
     cache = model.new_kv_cache(1, 128)
@@ -367,8 +373,10 @@ def test_default_model_bfloat16_invariant_and_close(default_model, one_thread):
         block = model.forward(torch.tensor(seq), torch.full((len(seq),), slot),
                               torch.arange(len(seq)), cache).logits
         assert torch.equal(block, ours)
-        ref = hf_logits(hf, seq)
-        assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.95
+        ref, theirs = hf_logits(hf, seq), hf_logits(hf_bf16, seq).argmax(-1)
+        top1 = (ours.argmax(-1) == ref.argmax(-1)).float().mean()
+        assert top1 >= min(0.95, (theirs == ref.argmax(-1)).float().mean() - 0.02)
+        assert top1 >= 0.9
         assert (ours - ref).abs().mean() < 0.3
 
 
@@ -377,7 +385,7 @@ def test_default_model_int4_close_to_float32(default_model, one_thread):
     """``quantization="int4"`` serves the model's own Q4_1 grid. With torch's int4 kernel
     (bfloat16 activations) its next-token distributions are no farther from the float32
     reference than the bfloat16 target's (mean KL within 1.5x; measured on one prompt: 0.0016
-    vs 0.0022 nats). With our AVX512-VNNI kernel the activations are quantized to int8 per
+    vs 0.0022 nats). With our kernel the activations are quantized to int8 per
     group of 32 as in llama.cpp (measured over these prompts: 0.0085 vs 0.0023 nats), within
     5x and 0.02 nats. Both agree with float32 on the top-1 token at >= 95 % of positions."""
     path, hf, prompts = default_model

@@ -1,5 +1,5 @@
-"""The AVX512-VNNI quantized linear kernel against its PyTorch reference: the arithmetic, the
-GGUF grids it keeps, row independence, and its errors."""
+"""The CPU quantized linear kernel (AVX512-VNNI or AVX2, whichever this CPU runs) against its
+PyTorch reference: the arithmetic, the GGUF grids it keeps, row independence, and its errors."""
 import pytest
 import torch
 
@@ -7,8 +7,8 @@ from dspark_serve.ops.quantized_linear import (cpu_kernel, dequantize_weight,
                                                quantize_activations, quantize_weight,
                                                quantized_linear, quantized_linear_reference)
 
-needs_kernel = pytest.mark.skipif(cpu_kernel() is None,
-                                  reason="no AVX512-VNNI CPU or no C++ toolchain for the kernel")
+needs_kernel = pytest.mark.skipif(
+    cpu_kernel() is None, reason="no AVX512-VNNI or AVX2 CPU, or no C++ toolchain for the kernel")
 
 
 def test_quantize_activations_by_hand():
@@ -81,6 +81,15 @@ def test_rows_do_not_depend_on_row_or_thread_count(bits):
                 assert torch.equal(quantized_linear(x[:rows], qw), alone[:rows])
     finally:
         torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_kernel_binds_the_best_instruction_set_of_this_cpu():
+    """AVX512-VNNI where the CPU has it, else the AVX2 build of the same kernels."""
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        flags = f.read().split()
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
+    assert cpu_kernel().isa() == ("avx512-vnni" if vnni else "avx2")
 
 
 @needs_kernel
